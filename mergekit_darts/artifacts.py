@@ -1,0 +1,155 @@
+"""The on-disk form of surgery: ``surgery/<task>.safetensors`` plus ``surgery/manifest.json``.
+
+Everything is validated on load with a one-line error, because a surgery folder travels with a
+merged checkpoint and may meet a model, or a version of this package, it was not made for.
+The folder is written under a temporary name and renamed into place, so readers never see half
+of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .modules import SurgeryModule, build_module
+
+FORMAT = "darts-surgery"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class SurgeryFormatError(ValueError):
+    """A surgery folder or file that cannot be used as it is."""
+
+
+def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
+    """Tensor names and shapes of a module, from a fresh instance (one source of truth)."""
+    module = build_module(kind, hidden_size, rank, max_positions)
+    return {name: tuple(t.shape) for name, t in sorted(module.state_dict().items())}
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    """Read and check ``manifest.json``'s format, version and task entries."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise SurgeryFormatError(
+            f"no surgery manifest at {path}: point surgery_path at a folder written by mergekit-darts"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SurgeryFormatError(f"{path} is not valid JSON ({err}); re-run the surgery") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise SurgeryFormatError(f"{path} is not a {FORMAT!r} manifest")
+    if manifest.get("version") != VERSION:
+        raise SurgeryFormatError(
+            f"{path} has format version {manifest.get('version')!r}, this package reads version "
+            f"{VERSION}: upgrade mergekit-darts or re-run the surgery"
+        )
+    if not isinstance(manifest.get("tasks"), dict) or not manifest["tasks"]:
+        raise SurgeryFormatError(f"{path} lists no surgery tasks")
+    return manifest
+
+
+def task_names(folder: str | Path) -> list[str]:
+    return list(read_manifest(folder)["tasks"])
+
+
+def resolve_task(manifest: Mapping[str, Any], task: str | None, folder: Path) -> str:
+    """The task to load: the one asked for, or the only one there is."""
+    names = list(manifest["tasks"])
+    if task is None:
+        if len(names) == 1:
+            return names[0]
+        raise SurgeryFormatError(
+            f"{folder} holds several surgery tasks ({', '.join(names)}): choose one"
+        )
+    if task not in manifest["tasks"]:
+        raise SurgeryFormatError(
+            f"no surgery task {task!r} in {folder}; available: {', '.join(names)}"
+        )
+    return task
+
+
+def load_surgery(folder: str | Path, task: str | None = None) -> SurgeryModule:
+    """Load the module of ``task`` from a ``surgery/`` folder, checking shapes against the manifest."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    task = resolve_task(manifest, task, folder)
+    entry = manifest["tasks"][task]
+    try:
+        kind, rank, max_positions = entry["module"], int(entry["rank"]), int(entry["max_positions"])
+        hidden_size = int(manifest["hidden_size"])
+        file = folder / entry["file"]
+    except (KeyError, TypeError, ValueError) as err:
+        raise SurgeryFormatError(f"manifest entry of task {task!r} is incomplete: {err}") from err
+    if not file.is_file():
+        raise SurgeryFormatError(f"surgery file {file} of task {task!r} is missing")
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise SurgeryFormatError(f"{file} is not a readable safetensors file ({err})") from err
+    try:
+        expected = expected_shapes(kind, hidden_size, rank, max_positions)
+    except ValueError as err:
+        raise SurgeryFormatError(f"manifest entry of task {task!r}: {err}") from err
+    found = {name: tuple(t.shape) for name, t in sorted(tensors.items())}
+    if found != expected:
+        raise SurgeryFormatError(
+            f"{file} holds tensors {found}, but a {kind} module with hidden_size={hidden_size}, "
+            f"rank={rank}, max_positions={max_positions} needs {expected}"
+        )
+    module = build_module(kind, hidden_size, rank, max_positions)
+    module.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
+    return module.eval()
+
+
+def write_surgery_folder(
+    folder: str | Path,
+    modules: Mapping[str, SurgeryModule],
+    manifest: dict[str, Any],
+) -> Path:
+    """Write modules + manifest to ``folder`` atomically (temporary sibling, then rename).
+
+    ``manifest["tasks"][name]`` must exist for every module; its ``file`` field is filled in here.
+    An existing ``folder`` is replaced only after the new one is complete.
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        for name, module in modules.items():
+            file = f"{name}.safetensors"
+            state = {
+                k: v.detach().to("cpu", torch.float32).contiguous()
+                for k, v in module.state_dict().items()
+            }
+            save_file(state, staging / file, metadata={"format": FORMAT, "module": module.kind})
+            manifest["tasks"][name]["file"] = file
+        manifest = {"format": FORMAT, "version": VERSION, **manifest}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        _swap_into_place(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _swap_into_place(staging: Path, folder: Path) -> None:
+    if not folder.exists():
+        os.replace(staging, folder)
+        return
+    retired = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    os.replace(folder, retired)
+    os.replace(staging, folder)
+    shutil.rmtree(retired, ignore_errors=True)

@@ -1,0 +1,121 @@
+"""Hidden-state capture: run one causal LM over token sequences and keep what training needs.
+
+The surgery acts on the input of the output embedding (after the final norm), so that is what is
+recorded, through a forward pre-hook on ``model.get_output_embeddings()``; this works for any HF
+causal LM without knowing its module names. For the merged model the hook stops the forward right
+there (its logits are never needed); for a target, the per-token entropy of its own next-token
+distribution is computed batch by batch in float32, so an N x T x V tensor never exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .metrics import token_entropy
+
+
+@dataclass
+class Captured:
+    """Right-padded hidden states of N sequences and what goes with them."""
+
+    hidden: torch.Tensor  # [N, T, H], cache dtype
+    mask: torch.Tensor  # [N, T] bool, True = real token
+    entropy: torch.Tensor | None = None  # [N, T] float32 (targets only)
+    head_weight: torch.Tensor | None = None  # [V, H] output embedding, for the kl / ce losses
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.hidden, self.mask, self.entropy, self.head_weight)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook once the hidden state is in hand and logits are not needed."""
+
+
+def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token id lists into ``input_ids`` and ``attention_mask`` [B, T]."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where a model wants its inputs: HF's ``model.device`` knows about ``device_map`` models."""
+    device = getattr(model, "device", None)
+    return device if isinstance(device, torch.device) else next(model.parameters()).device
+
+
+@torch.no_grad()  # not inference_mode: the cached tensors feed training
+def capture(
+    model: nn.Module,
+    sequences: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 8,
+    with_entropy: bool = False,
+    with_head: bool = False,
+    cache_dtype: torch.dtype = torch.bfloat16,
+    cache_device: torch.device | str = "cpu",
+    pad_id: int = 0,
+    desc: str = "capture",
+    progress: bool = True,
+) -> Captured:
+    """Run ``model`` over ``sequences`` (token id lists, no padding) and record final hidden states.
+
+    Positions are right-padded, so token ``t`` of each sequence sits at position ``t``: exactly
+    the absolute position the surgery's position table is indexed by.
+    """
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("capture needs at least one sequence and no empty sequence")
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embedding to hook")
+    n, width = len(sequences), max(len(s) for s in sequences)
+    hidden = torch.zeros((n, width, head.in_features), dtype=cache_dtype, device=cache_device)
+    mask = torch.zeros((n, width), dtype=torch.bool, device=cache_device)
+    entropy = torch.zeros((n, width), dtype=torch.float32, device=cache_device)
+    device = input_device(model)
+    seen: list[torch.Tensor] = []
+
+    def grab(_module: nn.Module, args: tuple) -> None:
+        seen.append(args[0])
+        if not with_entropy:
+            raise _StopForward
+
+    handle = head.register_forward_pre_hook(grab)
+    try:
+        for start in tqdm(range(0, n, batch_size), desc=desc, disable=not progress, leave=False):
+            ids, attn = pad_batch(sequences[start : start + batch_size], pad_id)
+            seen.clear()
+            try:
+                out = model(
+                    input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False
+                )
+            except _StopForward:
+                out = None
+            rows, t = slice(start, start + ids.shape[0]), ids.shape[1]
+            hidden[rows, :t] = seen[0].to(device=cache_device, dtype=cache_dtype)
+            mask[rows, :t] = attn.to(device=cache_device, dtype=torch.bool)
+            if out is not None:
+                for i, row_logits in enumerate(out.logits):  # one row at a time: [T, V] float32
+                    entropy[start + i, :t] = token_entropy(row_logits).to(cache_device)
+    finally:
+        handle.remove()
+    hidden[~mask] = 0
+    return Captured(
+        hidden=hidden,
+        mask=mask,
+        entropy=entropy if with_entropy else None,
+        head_weight=head.weight.detach().to(cache_device, torch.float32).clone()
+        if with_head
+        else None,
+    )

@@ -1,0 +1,159 @@
+"""The Adam loop that fits one surgery module to one (merged, target) pair of captured states."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from . import losses
+from .capture import Captured
+from .metrics import delta, rho_l1
+from .modules import SurgeryModule
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Optimisation settings (paper section 4.3 defaults)."""
+
+    loss: str = "ewl1"
+    steps: int = 500
+    lr: float = 1e-3
+    batch_size: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in losses.LOSSES:
+            raise ValueError(
+                f"unknown loss {self.loss!r}; choose one of {', '.join(losses.LOSSES)}"
+            )
+        if self.steps < 0 or self.lr <= 0 or self.batch_size <= 0:
+            raise ValueError("steps must be >= 0, lr and batch_size > 0")
+
+
+@dataclass
+class TrainResult:
+    """The trained module and how much of the bias it removed on the calibration set."""
+
+    module: SurgeryModule
+    loss_curve: list[float]
+    rho_l1: float
+    delta_before: torch.Tensor  # [N, T] per-token bias, zero at uncounted positions
+    delta_after: torch.Tensor
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def final_loss(self) -> float:
+        return self.loss_curve[-1] if self.loss_curve else float("nan")
+
+
+def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    """Absolute position of each token in its own sequence (pads: -1), for any padding side."""
+    pos = mask.to(torch.long).cumsum(-1) - 1
+    return pos.masked_fill(~mask.to(torch.bool), -1)
+
+
+def _batch_loss(
+    module: SurgeryModule,
+    merged: Captured,
+    target: Captured,
+    rows: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss: str,
+) -> torch.Tensor:
+    width = int(merged.mask[rows].sum(-1).max())  # right-padded: crop the batch to its longest row
+    h = merged.hidden[rows, :width].to(torch.float32)
+    h_star = target.hidden[rows, :width].to(torch.float32)
+    mask = loss_mask[rows, :width]
+    h_hat = module(h, positions_of(merged.mask[rows, :width]))
+    if loss == "l1":
+        return losses.l1(h_hat, h_star, mask)
+    if loss == "ewl1":
+        return losses.ewl1(h_hat, h_star, target.entropy[rows, :width], mask)
+    pred_logits = h_hat @ merged.head_weight.T
+    target_logits = h_star @ target.head_weight.T
+    return getattr(losses, loss)(pred_logits, target_logits, mask)
+
+
+def _epoch_batches(n: int, batch_size: int, generator: torch.Generator):
+    """Endless seeded shuffles of ``range(n)``, cut into batches (the last of an epoch may be short)."""
+    while True:
+        order = torch.randperm(n, generator=generator)
+        yield from order.split(batch_size)
+
+
+def train_surgery(
+    module: SurgeryModule,
+    merged: Captured,
+    target: Captured,
+    settings: TrainSettings,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+    desc: str = "train",
+) -> TrainResult:
+    """Fit ``module`` so that ``module(h_merged)`` matches ``h_target`` on the counted tokens.
+
+    ``loss_mask`` [N, T] chooses which real tokens the loss and rho_L1 cover (default: all).
+    """
+    if merged.hidden.shape != target.hidden.shape or not torch.equal(merged.mask, target.mask):
+        raise ValueError(
+            f"merged and target captures differ: {tuple(merged.hidden.shape)} vs "
+            f"{tuple(target.hidden.shape)}; they must come from the same token sequences"
+        )
+    if settings.loss == "ewl1" and target.entropy is None:
+        raise ValueError("the ewl1 loss needs the target's entropy: capture it with_entropy=True")
+    if settings.loss in ("kl", "ce") and (merged.head_weight is None or target.head_weight is None):
+        raise ValueError(f"the {settings.loss} loss needs both output embeddings: with_head=True")
+    counted = merged.mask if loss_mask is None else loss_mask.to(torch.bool) & merged.mask
+    if not counted.any():
+        raise ValueError("no token is counted by the loss mask")
+    merged, target = _to(merged, device), _to(target, device)
+    counted = counted.to(device)
+    module = module.to(device=device, dtype=torch.float32).train()
+    optimizer = torch.optim.Adam(module.parameters(), lr=settings.lr, betas=(0.9, 0.999))
+    generator = torch.Generator().manual_seed(settings.seed)
+    batches = _epoch_batches(merged.hidden.shape[0], settings.batch_size, generator)
+    curve: list[float] = []
+    start = time.perf_counter()
+    for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
+        rows = next(batches).to(device)
+        if not counted[rows].any():
+            continue
+        loss = _batch_loss(module, merged, target, rows, counted, settings.loss)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        curve.append(loss.item())
+    seconds = time.perf_counter() - start
+    module.eval()
+    before, after, rho = evaluate(module, merged, target, counted)
+    return TrainResult(module, curve, rho, before, after, seconds)
+
+
+@torch.no_grad()
+def evaluate(
+    module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Per-token bias before / after the module, and rho_L1, over the counted tokens."""
+    h = merged.hidden.to(torch.float32)
+    h_star = target.hidden.to(torch.float32)
+    h_hat = module(h, positions_of(merged.mask))
+    keep = counted.to(torch.float32)
+    before = delta(h, h_star) * keep
+    after = delta(h_hat, h_star) * keep
+    return before.cpu(), after.cpu(), rho_l1(h, h_hat, h_star, counted)
+
+
+def _to(captured: Captured, device: torch.device | str) -> Captured:
+    return Captured(
+        **{
+            f.name: None if (t := getattr(captured, f.name)) is None else t.to(device)
+            for f in dataclasses.fields(captured)
+        }
+    )

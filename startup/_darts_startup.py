@@ -1,0 +1,57 @@
+"""Lazy startup hook installed by mergekit-darts through a ``.pth`` file.
+
+mergekit 0.1.5 has no plugin hooks and lm-eval 0.4.13 reads no model entry points, so the stock
+``mergekit-yaml`` and ``lm_eval`` commands can only learn about DARTS if something patches them as
+they are imported. This module adds one cheap meta-path finder: it ignores every import except the
+two modules it watches, and for those it runs the real loader and then calls our patch function.
+Nothing heavy (torch, mergekit, lm_eval) is imported until the user imports those packages.
+Set ``DARTS_NO_HOOK=1`` to turn it off.
+"""
+
+import sys
+
+# watched module -> (module with an ``install(module)`` function) run after it finishes importing
+_PATCHES = {
+    "mergekit.merge": "mergekit_darts.hook",
+    "lm_eval.models": "lm_eval_darts.hook",
+}
+
+
+class _PatchingLoader:
+    """Wraps the real loader so the patch runs right after the module body executes."""
+
+    def __init__(self, loader, patch_module: str):
+        self._loader = loader
+        self._patch_module = patch_module
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        __import__(self._patch_module, fromlist=["install"]).install(module)
+
+    def __getattr__(self, name):  # get_source, get_code, is_package, ... for tools that ask
+        return getattr(self._loader, name)
+
+
+class _DartsFinder:
+    """A meta-path finder that only answers for the watched modules."""
+
+    def find_spec(self, name, path=None, target=None):
+        patch_module = _PATCHES.get(name)
+        if patch_module is None:
+            return None
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader, patch_module)
+        return spec
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, _DartsFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DartsFinder())

@@ -1,0 +1,91 @@
+"""Tiny real models for tests: a word-level tokenizer and random Llama checkpoints, built locally.
+
+Experts are the base plus seeded noise on every weight, so a mergekit merge of them really
+differs from each expert (the surgery has something to correct) while all share one tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
+WORDS = (
+    "the a one two three four five six seven eight nine zero plus minus times is = ( ) : , . ? "
+    "def return add sub mul x y z n k l question answer repeat reverse last word cat dog red blue "
+    "green sun moon tree river stone fire water is not and or if then else for in print"
+).split()
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(SPECIAL + WORDS))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+
+
+def tiny_config(vocab_size: int, hidden_size: int = 64, **overrides) -> LlamaConfig:
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def save_model(
+    folder: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    base: LlamaForCausalLM | None = None,
+    noise: float = 0.0,
+    **config_overrides,
+) -> LlamaForCausalLM:
+    """Save a random Llama (``base`` + seeded noise when given) with the tokenizer into ``folder``."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(len(tokenizer), **config_overrides))
+    if base is not None:
+        model.load_state_dict(base.state_dict())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * p.std() * torch.randn_like(p))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model.eval()
+
+
+PROMPTS = [
+    "question : two plus three is",
+    "def add ( x , y ) : return",
+    "repeat the word cat cat cat",
+    "reverse red blue green",
+    "the sun and the moon",
+    "one two three four five six seven",
+    "if x is not y then print x else print y",
+    "last word of the river is",
+    "for n in x : print n",
+    "water and fire and stone and tree",
+    "question : nine minus four is",
+    "def mul ( k , l ) : return k times l",
+]
