@@ -113,7 +113,10 @@ class SurgeryHandle:
         positions = slice_logits_to_keep(self._positions.unsqueeze(-1), self._logits_to_keep)
         module = self._module.to(h.device)  # a no-op after the first call; accelerate may
         # have put the head on any device
-        return (module(h, positions.squeeze(-1).to(h.device)), *args[1:])
+        # float32 even under autocast (lm-eval's mixed_precision_dtype), which would otherwise
+        # run the module's Linear layers in half precision
+        with torch.autocast(h.device.type, enabled=False):
+            return (module(h, positions.squeeze(-1).to(h.device)), *args[1:])
 
     def remove(self) -> None:
         for handle in self._handles:

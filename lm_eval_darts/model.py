@@ -1,0 +1,275 @@
+"""``hf-darts``: lm-eval's HF backend with a merged checkpoint's DARTS surgery on the final hidden state.
+
+Thin on purpose, like ``lm_eval/models/hf_steered.py``: :class:`mergekit_darts.apply.SurgeryHandle`
+owns the correction and every token's position (right-padded loglikelihood batches, left-padded
+generation, KV cache, ``logits_to_keep``). This class only chooses which task's module is active.
+
+With ``surgery=auto`` the module depends on each request's lm-eval task. HFLM merges identical
+requests across tasks and scores a whole call in shared batches, so one module per row cannot work;
+each call is split by module and HFLM runs once per group with that module active.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
+
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import CacheHook
+from lm_eval.models.huggingface import HFLM
+
+from mergekit_darts.apply import SurgeryHandle
+from mergekit_darts.artifacts import SurgeryFormatError, load_surgery, read_manifest, resolve_task
+from mergekit_darts.modules import SurgeryModule
+
+from .hook import register
+
+eval_logger = logging.getLogger(__name__)
+
+NONE = "none"
+AUTO = "auto"
+_NOT_GIVEN: Any = object()  # the CLI turns `surgery=none` into "none", simple_evaluate into None
+R = TypeVar("R")
+
+
+def parse_surgery_map(value: str | Mapping[str, Any]) -> dict[str, str]:
+    """``"gsm8k:math;humaneval:code"`` (or a dict) -> {lm-eval task or glob: surgery task | "none"}.
+
+    Semicolons, because lm-eval splits ``--model_args`` on commas.
+    """
+    pairs: list[tuple[str, str]] = []
+    if isinstance(value, Mapping):
+        pairs = [(str(k).strip(), str(v).strip()) for k, v in value.items()]
+    else:
+        for entry in filter(None, (e.strip() for e in str(value).split(";"))):
+            task, sep, target = (part.strip() for part in entry.partition(":"))
+            if not (sep and task and target):
+                raise ValueError(
+                    f"bad surgery_map entry {entry!r}: expected <lm-eval task>:<surgery task> "
+                    f"pairs separated by ';', e.g. surgery_map=gsm8k:math;humaneval:code"
+                )
+            pairs.append((task, target))
+    mapping: dict[str, str] = {}
+    for task, target in pairs:
+        if mapping.get(task, target) != target:
+            raise ValueError(f"surgery_map maps {task!r} twice ({mapping[task]}, {target})")
+        mapping[task] = target
+    if not mapping:
+        raise ValueError("surgery_map is empty; e.g. surgery_map=gsm8k:math;humaneval:code")
+    return mapping
+
+
+def manifest_routes(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """{lm-eval task: surgery task} from each manifest task's ``eval_tasks`` (default: its name)."""
+    routes: dict[str, str] = {}
+    for name, entry in manifest["tasks"].items():
+        for eval_task in entry.get("eval_tasks") or [name]:
+            if routes.get(eval_task, name) != name:
+                raise SurgeryFormatError(
+                    f"lm-eval task {eval_task!r} is served by surgery tasks {routes[eval_task]!r} "
+                    f"and {name!r}: pass surgery_map= to choose"
+                )
+            routes[eval_task] = name
+    return routes
+
+
+def route(routes: Mapping[str, str], task_name: str) -> str | None:
+    """The surgery task of one lm-eval task: an exact entry wins over glob patterns (``mmlu_*``)."""
+    if task_name in routes:
+        return routes[task_name]
+    hits = {target for pattern, target in routes.items() if fnmatch.fnmatchcase(task_name, pattern)}
+    if len(hits) > 1:
+        raise ValueError(
+            f"lm-eval task {task_name!r} matches patterns of several surgery tasks "
+            f"({', '.join(sorted(hits))}): add an exact surgery_map entry"
+        )
+    return hits.pop() if hits else None
+
+
+def default_surgery_path(pretrained: Any, subfolder: str, revision: str | None) -> Path:
+    """``<pretrained>[/<subfolder>]/surgery``; for a hub id, only that folder is downloaded."""
+    base = pretrained if isinstance(pretrained, str) else getattr(pretrained, "name_or_path", "")
+    if not base:
+        raise ValueError("pretrained is a model object without a folder: pass surgery_path=")
+    local = Path(base, subfolder, "surgery")
+    if Path(base).exists():
+        return local
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        root = snapshot_download(
+            base, revision=revision, allow_patterns=[str(PurePosixPath(subfolder, "surgery", "*"))]
+        )
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise SurgeryFormatError(
+            f"no local folder {base!r} and its surgery/ folder could not be fetched from the hub "
+            f"({type(err).__name__}): pass surgery_path="
+        ) from err
+    return Path(root, subfolder, "surgery")
+
+
+@dataclass(frozen=True)
+class SurgeryPlan:
+    """What ``hf-darts`` applies: one task's module, a per-lm-eval-task routing, or nothing."""
+
+    mode: str  # a surgery task name, AUTO or NONE
+    folder: Path | None = None
+    available: tuple[str, ...] = ()
+    routes: Mapping[str, str] | None = None  # lm-eval task or glob -> surgery task | NONE (auto)
+    modules: Mapping[str, SurgeryModule] = field(default_factory=dict)
+
+    @classmethod
+    def resolve(
+        cls,
+        surgery: Any,
+        surgery_map: str | Mapping[str, Any] | None,
+        surgery_path: str | None,
+        pretrained: Any,
+        subfolder: str,
+        revision: str | None,
+    ) -> SurgeryPlan:
+        """Check the model args against the surgery folder and load the modules they need."""
+        keyword = None if surgery is _NOT_GIVEN else str(surgery).lower()
+        if surgery is None or keyword == NONE:
+            if surgery_map is not None:
+                raise ValueError("surgery_map applies to surgery=auto, not to surgery=none")
+            return cls(NONE)
+        if surgery_map is not None and keyword not in (None, AUTO):
+            raise ValueError(f"surgery_map applies to surgery=auto, not to surgery={surgery}")
+        folder = Path(surgery_path or default_surgery_path(pretrained, subfolder, revision))
+        manifest = read_manifest(folder)
+        names = tuple(manifest["tasks"])
+        if keyword is None and surgery_map is None:
+            if len(names) > 1:
+                raise ValueError(
+                    f"{folder} holds surgery tasks {', '.join(names)}: choose "
+                    f"surgery=<task>, surgery=auto (per lm-eval task) or surgery=none"
+                )
+            surgery = names[0]
+        if surgery_map is None and keyword != AUTO:
+            task = resolve_task(manifest, str(surgery), folder)
+            return cls(task, folder, names, modules={task: load_surgery(folder, task)})
+        routes = (
+            manifest_routes(manifest) if surgery_map is None else parse_surgery_map(surgery_map)
+        )
+        targets = {target for target in routes.values() if target != NONE}
+        if unknown := targets - set(names):
+            raise SurgeryFormatError(
+                f"surgery_map names surgery task(s) {', '.join(sorted(unknown))} not in {folder}; "
+                f"available: {', '.join(names)} (or none)"
+            )
+        modules = {task: load_surgery(folder, task) for task in sorted(targets)}
+        return cls(AUTO, folder, names, routes, modules)
+
+
+class DartsHFLM(HFLM):
+    """HFLM whose LM head sees ``module(h, p)`` instead of ``h`` (DARTS, paper eq. 4).
+
+    Model args: ``surgery=<task>|auto|none`` (default: the folder's only task),
+    ``surgery_path=`` (default ``<pretrained>/surgery``) and ``surgery_map=<lm-eval task>:<surgery
+    task>;...`` (replaces the manifest's ``eval_tasks`` routing; implies ``auto``). Everything else
+    goes to HFLM unchanged. ``surgery=none`` attaches nothing, so it scores exactly like ``hf``.
+    """
+
+    def __init__(
+        self,
+        pretrained: Any,
+        surgery: Any = _NOT_GIVEN,
+        surgery_path: str | None = None,
+        surgery_map: str | Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Checked before HFLM loads the model, so a typo costs no model load.
+        self.surgery = SurgeryPlan.resolve(
+            surgery,
+            surgery_map,
+            surgery_path,
+            pretrained,
+            kwargs.get("subfolder") or "",
+            kwargs.get("revision", "main"),
+        )
+        super().__init__(pretrained=pretrained, **kwargs)
+        self._handle: SurgeryHandle | None = None
+        if self.surgery.mode == NONE:
+            return
+        if self.backend != "causal":
+            raise ValueError(f"hf-darts corrects decoder-only models; this one is {self.backend}")
+        fixed = self.surgery.modules.get(self.surgery.mode)  # None under auto until a call
+        self._handle = SurgeryHandle(self.model, fixed)
+        eval_logger.info("hf-darts: surgery=%s from %s", self.surgery.mode, self.surgery.folder)
+
+    def _grouped(
+        self,
+        run: Callable[..., list[R]],
+        requests: list[Instance],
+        disable_tqdm: bool,
+    ) -> list[R]:
+        """Run HFLM's ``run`` once per surgery module, each group with its module active."""
+        routes = self.surgery.routes
+        if routes is None or self._handle is None:
+            return run(requests, disable_tqdm=disable_tqdm)
+        module_of = {
+            name: route(routes, name) if name else None for name in {r.task_name for r in requests}
+        }
+        if unmapped := sorted(str(name) for name, target in module_of.items() if target is None):
+            raise ValueError(
+                f"surgery=auto has no module for lm-eval task(s) {', '.join(unmapped)}; mapped: "
+                f"{', '.join(f'{k}:{v}' for k, v in routes.items())}; available surgery tasks: "
+                f"{', '.join(self.surgery.available)} (extend surgery_map=, map a task to none, "
+                f"or use surgery=<task>)"
+            )
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(module_of[req.task_name], []).append(i)
+        results: list[Any] = [None] * len(requests)
+        try:
+            # sorted, so every data-parallel rank makes the same sequence of HFLM calls
+            for target in sorted(groups):
+                self._handle.module = self.surgery.modules.get(target)  # None for NONE
+                indices = groups[target]
+                answers = run([requests[i] for i in indices], disable_tqdm=disable_tqdm)
+                for i, answer in zip(indices, answers, strict=True):
+                    results[i] = answer
+        finally:
+            self._handle.module = None
+        return results
+
+    def loglikelihood(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
+        return self._grouped(super().loglikelihood, requests, disable_tqdm)
+
+    def loglikelihood_rolling(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[float]:
+        return self._grouped(super().loglikelihood_rolling, requests, disable_tqdm)
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        return self._grouped(super().generate_until, requests, disable_tqdm)
+
+    def set_cache_hook(self, cache_hook: CacheHook) -> None:
+        # --use_cache keys answers by request text only, so under `auto` a request shared by two
+        # tasks would come back from the cache with the other task's correction.
+        if self.surgery.mode == AUTO and cache_hook.dbdict is not None:
+            eval_logger.warning(
+                "hf-darts: --use_cache keys requests by text only; with surgery=auto, identical "
+                "requests of tasks served by different modules share one cached answer"
+            )
+        super().set_cache_hook(cache_hook)
+
+    def get_model_info(self) -> dict[str, Any]:
+        info = super().get_model_info()
+        info["darts_surgery"] = self.surgery.mode
+        if self.surgery.folder is not None:
+            info["darts_surgery_path"] = str(self.surgery.folder)
+        if self.surgery.routes is not None:
+            info["darts_surgery_map"] = dict(self.surgery.routes)
+        return info
+
+
+register()
