@@ -8,6 +8,7 @@ module per task (``train``) -> save into ``out/surgery`` (``artifacts``) -> appl
 from .apply import SurgeryHandle, apply_surgery
 from .artifacts import load_surgery
 from .modules import SurgeryModule, build_module
+from .pipeline import run_surgery
 
 __all__ = [
     "SurgeryHandle",
@@ -15,4 +16,5 @@ __all__ = [
     "apply_surgery",
     "build_module",
     "load_surgery",
+    "run_surgery",
 ]

@@ -118,15 +118,25 @@ def write_surgery_folder(
     folder: str | Path,
     modules: Mapping[str, SurgeryModule],
     manifest: dict[str, Any],
+    *,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Write modules + manifest to ``folder`` atomically (temporary sibling, then rename).
 
     ``manifest["tasks"][name]`` must exist for every module; its ``file`` field is filled in here.
+    ``extra_files`` (relative name -> bytes: diagnostics, the surgery YAML) land in the same
+    staging folder, so they appear together with the modules or not at all.
     An existing ``folder`` is replaced only after the new one is complete.
     """
     folder = Path(folder)
+    for name in extra_files or {}:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ValueError(f"extra file {name!r} must be a relative path inside the folder")
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    umask = os.umask(0)  # mkdtemp makes the folder 0700; give it the permissions of a normal mkdir
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
     try:
         for name, module in modules.items():
             file = f"{name}.safetensors"
@@ -134,8 +144,13 @@ def write_surgery_folder(
                 k: v.detach().to("cpu", torch.float32).contiguous()
                 for k, v in module.state_dict().items()
             }
-            save_file(state, staging / file, metadata={"format": FORMAT, "module": module.kind})
+            # One metadata key only: safetensors writes metadata from a hash map, so two keys
+            # come out in random order and identical runs would give different bytes.
+            save_file(state, staging / file, metadata={"format": FORMAT})
             manifest["tasks"][name]["file"] = file
+        for name, data in (extra_files or {}).items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_bytes(data)
         manifest = {"format": FORMAT, "version": VERSION, **manifest}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
         _swap_into_place(staging, folder)

@@ -1,0 +1,160 @@
+"""How a surgery run is shown to people: a section of the model card and a table in the terminal.
+
+The card section sits between two HTML comments, so re-running the surgery replaces it instead of
+stacking a second one. A folder without a README (``calibrate`` on a merge made without a card)
+gets mergekit's own card, rebuilt from ``mergekit_config.yml``, before the section is added.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+START = "<!-- mergekit-darts:surgery -->"
+END = "<!-- /mergekit-darts:surgery -->"
+TAGS = ("darts", "representation-surgery")
+
+
+def update_model_card(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
+    """Add (or replace) the surgery section of ``folder/README.md``; returns its path."""
+    folder = Path(folder)
+    readme = folder / "README.md"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else _mergekit_card(folder)
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        text = head.rstrip("\n") + rest.split(END, 1)[1]
+    text = _with_tags(text.rstrip("\n"))
+    text += "\n\n" + surgery_section(manifest, folder.name) + "\n"
+    staging = readme.with_name(f".{readme.name}.tmp-{os.getpid()}")
+    staging.write_text(text, encoding="utf-8")
+    os.replace(staging, readme)
+    return readme
+
+
+def surgery_section(manifest: Mapping[str, Any], name: str) -> str:
+    """Markdown: what each module serves, how much bias it removed, how to evaluate with it."""
+    from .report import report_link_markdown  # plotting stack only when a card is written
+
+    tasks = manifest["tasks"]
+    rows = []
+    for task, entry in tasks.items():
+        cal, metrics = entry["calibration"], entry["metrics"]
+        prompts = f"{cal['num_prompts']} from `{cal['source']}`"
+        if cal.get("continuation_tokens"):
+            prompts += f" + target completions (≤ {cal['continuation_tokens']} tokens)"
+        rows.append(
+            f"| `{task}` | `{entry['target']}` | {', '.join(entry['eval_tasks'])} | "
+            f"{entry['module']} | {entry['loss']} | {entry['loss_positions']} | {prompts} | "
+            f"{metrics['rho_l1']:.3f} |"
+        )
+    first = next(iter(tasks))
+    every_eval_task = ",".join(t for entry in tasks.values() for t in entry["eval_tasks"])
+    return "\n".join(
+        [
+            START,
+            "## DARTS surgery",
+            "",
+            "This folder carries DARTS surgery modules in `surgery/`: small corrections of the "
+            "final hidden state (the input of the LM head), one per task, each calibrated against "
+            "that task's fine-tuned model. The merged weights above are unchanged; the correction "
+            "is applied at inference by `mergekit_darts.apply_surgery` or lm-eval's `hf-darts`.",
+            "",
+            "| task | target | lm-eval tasks | module | loss | positions | calibration | ρ_L1 |",
+            "|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            "ρ_L1 = 1 − Σδ_after / Σδ_before on the calibration tokens: the share of the merged "
+            "model's hidden-state gap to the target that the module removes (higher is better). "
+            "`surgery/manifest.json` holds the settings, prompt hashes, loss curves and timings.",
+            "",
+            report_link_markdown(name),
+            "",
+            "### Evaluate",
+            "",
+            "```sh",
+            "pip install mergekit-darts",
+            f"lm_eval --model hf-darts --model_args pretrained={name},surgery={first} "
+            f"--tasks {','.join(tasks[first]['eval_tasks'])}",
+            "# one module per request, chosen from each lm-eval task's name:",
+            f"lm_eval --model hf-darts --model_args pretrained={name},surgery=auto "
+            f"--tasks {every_eval_task}",
+            "```",
+            "",
+            "### Use from Python",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM",
+            "from mergekit_darts import apply_surgery",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+            f'handle = apply_surgery(model, "{name}/surgery", task="{first}")  # handle.remove()',
+            "```",
+            END,
+        ]
+    )
+
+
+def _mergekit_card(folder: Path) -> str:
+    """mergekit's card for the merge recorded in the folder, or a bare title without one."""
+    config_file = folder / "mergekit_config.yml"
+    if not config_file.is_file():
+        return f"# {folder.name}\n"
+    from mergekit.card import generate_card
+    from mergekit.config import MergeConfiguration
+
+    source = config_file.read_text(encoding="utf-8")
+    config = MergeConfiguration.model_validate(yaml.safe_load(source))
+    return generate_card(config=config, config_yaml=source, name=folder.name)
+
+
+def _with_tags(text: str) -> str:
+    """Add the DARTS tags to the card's YAML front matter, when it has one."""
+    if not text.startswith("---\n") or "\n---" not in text[4:]:
+        return text
+    front, body = text[4:].split("\n---", 1)
+    meta = yaml.safe_load(front) or {}
+    if not isinstance(meta, dict):
+        return text
+    tags = list(meta.get("tags") or [])
+    meta["tags"] = tags + [t for t in TAGS if t not in tags]
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---" + body
+
+
+def print_summary(manifest: Mapping[str, Any], console: Console | None = None) -> None:
+    """One row per task: how much of the merged model's bias its module removed."""
+    tasks = manifest["tasks"]
+    with_completion = any("rho_l1_completion" in e["metrics"] for e in tasks.values())
+    table = Table(title="DARTS surgery", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("task", "module", "loss", "positions", "tokens", "δ before", "δ after", "ρ_L1"):
+        left = column in ("task", "module", "loss", "positions")
+        table.add_column(column, justify="left" if left else "right")
+    if with_completion:
+        table.add_column("ρ_L1 completion", justify="right")
+    for task, entry in tasks.items():
+        metrics = entry["metrics"]
+        row = [
+            task,
+            entry["module"],
+            entry["loss"],
+            entry["loss_positions"],
+            str(metrics["tokens"]),
+            f"{metrics['delta_before']:.4f}",
+            f"{metrics['delta_after']:.4f}",
+            f"{metrics['rho_l1']:.3f}",
+        ]
+        if with_completion:
+            value = metrics.get("rho_l1_completion")
+            row.append("–" if value is None else f"{value:.3f}")
+        table.add_row(*row)
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file or a pipe: no reason to squeeze into 80 columns
+            console = Console(width=120)
+    console.print(table)

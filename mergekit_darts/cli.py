@@ -1,0 +1,85 @@
+"""``mergekit-darts``: the explicit commands, usable without the startup hook.
+
+``merge`` is ``mergekit-yaml`` (mergekit's own option decorator, so every stock flag is there)
+plus the surgery; ``calibrate`` adds or redoes the surgery of an already merged folder. More
+subcommands attach to the ``main`` group.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import click
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
+
+from .hook import merge_with_surgery
+from .report import report_command
+from .stats import stats_command
+from .sweep import sweep_command
+
+
+@click.group()
+@click.version_option(package_name="mergekit-darts")
+def main() -> None:
+    """DARTS surgery for mergekit merges."""
+
+
+@main.command("merge", cls=PrettyPrintHelp)
+@click.argument("config_file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_path")
+@click.option(
+    "--overwrite-surgery",
+    is_flag=True,
+    help="Replace an existing OUT_PATH/surgery/ folder instead of refusing.",
+)
+@add_merge_options
+def merge(
+    merge_options: MergeOptions, config_file: str, out_path: str, overwrite_surgery: bool
+) -> None:
+    """Merge CONFIG_FILE into OUT_PATH like mergekit-yaml, then run its `surgery:` block."""
+    merge_options.apply_global_options()
+    with open(config_file, encoding="utf-8") as file:
+        config_source = file.read()
+    merge_config = MergeConfiguration.model_validate(yaml.safe_load(config_source))
+    from mergekit import merge as mergekit_merge
+
+    stock = inspect.unwrap(mergekit_merge.run_merge)  # the hook may have wrapped it already
+    merge_with_surgery(
+        stock, merge_config, out_path, merge_options, config_source, overwrite=overwrite_surgery
+    )
+
+
+@main.command("calibrate")
+@click.argument("out_path", type=click.Path(exists=True, file_okay=False))
+@click.argument("surgery_yml", type=click.Path(exists=True, dir_okay=False))
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT_PATH/surgery/ folder.")
+@click.option("--quiet", is_flag=True, help="No progress bars and no summary table.")
+@click.option(
+    "--write-model-card/--no-write-model-card",
+    default=True,
+    show_default=True,
+    help="Add the surgery section to OUT_PATH/README.md.",
+)
+def calibrate(
+    out_path: str, surgery_yml: str, overwrite: bool, quiet: bool, write_model_card: bool
+) -> None:
+    """Add (or with --overwrite redo) surgery on the merged folder OUT_PATH.
+
+    SURGERY_YML is a merge YAML with a `surgery:` block, or the block alone.
+    """
+    from .pipeline import run_surgery
+
+    run_surgery(
+        out_path,
+        surgery_yml,
+        overwrite=overwrite,
+        progress=not quiet,
+        write_card=write_model_card,
+    )
+
+
+main.add_command(report_command)
+main.add_command(sweep_command)
+main.add_command(stats_command)

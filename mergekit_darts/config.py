@@ -1,0 +1,546 @@
+"""The ``surgery:`` block of a merge YAML: schema, defaults, and the checks run before merging.
+
+Every error is one line naming the key path (``surgery.tasks[0].calibration.max_length``) and how
+to fix it, because it surfaces from inside the stock ``mergekit-yaml`` and must arrive before any
+merge work starts. Relative paths (targets, calibration files) resolve from the working directory,
+the way mergekit resolves ``model:``, so ``model: ./math`` and ``target: ./math`` name one folder.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import click
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
+
+from .losses import LOSSES
+from .modules import MODULE_KINDS
+
+CALIBRATION_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
+RESERVED_TASK_NAMES = ("none", "auto")  # values of hf-darts' ``surgery=`` model argument
+
+
+class SurgeryError(click.ClickException):
+    """A surgery problem with a one-line message; click prints it without a traceback."""
+
+
+class SurgeryConfigError(SurgeryError, ValueError):
+    """The surgery block, a path it names, or a model it names cannot be used as written."""
+
+
+def _not_bool(value: Any) -> Any:
+    # YAML reads `1e-3` as a string, so floats stay lax, but `true` is never a learning rate.
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not a boolean")
+    return value
+
+
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_not_bool)]
+ModuleKind = Literal[MODULE_KINDS]
+LossName = Literal[LOSSES]
+LossPositions = Literal["all", "completion"]
+CacheDtype = Literal["bfloat16", "float16", "float32"]
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CalibrationConfig(_Block):
+    """Where a task's calibration prompts come from and how they become token sequences."""
+
+    path: str | None = None
+    dataset: str | None = None
+    name: str | None = None  # the datasets configuration name
+    split: str | None = None
+    field: str | None = None
+    template: str | None = None
+    num_samples: PositiveInt = 50
+    max_length: PositiveInt = 512
+    continuation_tokens: NonNegativeInt = 0
+    chat_template: StrictBool = False
+
+
+class TaskConfig(_Block):
+    """One surgery module: its target fine-tune, calibration data, and overrides of the defaults."""
+
+    name: str
+    target: str
+    eval_tasks: list[str] | None = None
+    calibration: CalibrationConfig
+    module: ModuleKind | None = None
+    loss: LossName | None = None
+    rank: PositiveInt | None = None
+    max_positions: PositiveInt | None = None
+    steps: PositiveInt | None = None
+    lr: PositiveFloat | None = None
+    batch_size: PositiveInt | None = None
+    seed: NonNegativeInt | None = None
+    loss_positions: LossPositions | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _file_and_cli_safe(cls, name: str) -> str:
+        # The name becomes a file name and a value inside lm-eval's comma-split --model_args.
+        allowed = set(string.ascii_letters + string.digits + "_.-")
+        if not name or not name[0].isalnum() or not set(name) <= allowed:
+            raise ValueError(
+                f"{name!r} is not a valid task name; use letters, digits, '_', '.', '-' and "
+                "start with a letter or digit"
+            )
+        if name.lower() in RESERVED_TASK_NAMES:
+            raise ValueError(f"{name!r} is reserved by hf-darts (surgery=none|auto); rename it")
+        return name
+
+    @field_validator("eval_tasks")
+    @classmethod
+    def _mappable(cls, tasks: list[str] | None) -> list[str] | None:
+        # surgery_map=gsm8k:math;humaneval:code splits on these characters.
+        for task in tasks or ():
+            if not task or any(c in task for c in ",;:= \t"):
+                raise ValueError(f"{task!r} is not an lm-eval task name")
+        return tasks
+
+
+class SurgeryConfig(_Block):
+    """The whole block; the training settings here are defaults every task may override."""
+
+    module: ModuleKind = "pos_corr"
+    loss: LossName = "ewl1"
+    rank: PositiveInt = 16
+    max_positions: PositiveInt = 512
+    steps: PositiveInt = 500
+    lr: PositiveFloat = 1e-3
+    batch_size: PositiveInt = 8
+    seed: NonNegativeInt = 0
+    loss_positions: LossPositions = "all"
+    device: str = "auto"
+    device_map: str | None = None
+    cache_dtype: CacheDtype = "bfloat16"
+    trust_remote_code: StrictBool = False
+    tasks: list[TaskConfig] = Field(min_length=1)
+
+
+OVERRIDABLE = (
+    "module",
+    "loss",
+    "rank",
+    "max_positions",
+    "steps",
+    "lr",
+    "batch_size",
+    "seed",
+    "loss_positions",
+)
+
+
+@dataclass(frozen=True)
+class ResolvedTask:
+    """A task with every default filled in and its key path, for messages."""
+
+    index: int
+    name: str
+    target: str  # as written in the YAML (recorded in the manifest)
+    eval_tasks: tuple[str, ...]
+    calibration: CalibrationConfig
+    module: str
+    loss: str
+    rank: int
+    max_positions: int
+    steps: int
+    lr: float
+    batch_size: int
+    seed: int
+    loss_positions: str
+    overridden: frozenset[str]  # settings the task sets itself
+
+    @property
+    def key(self) -> str:
+        return f"surgery.tasks[{self.index}]"
+
+    def source_key(self, setting: str) -> str:
+        """Key path where ``setting`` was set: the task's override or the block default."""
+        return f"{self.key}.{setting}" if setting in self.overridden else f"surgery.{setting}"
+
+
+def resolve_tasks(config: SurgeryConfig) -> list[ResolvedTask]:
+    """Fill each task's unset settings from the block's defaults."""
+    resolved = []
+    for index, task in enumerate(config.tasks):
+        settings = {
+            name: getattr(config, name) if getattr(task, name) is None else getattr(task, name)
+            for name in OVERRIDABLE
+        }
+        resolved.append(
+            ResolvedTask(
+                index=index,
+                name=task.name,
+                target=task.target,
+                eval_tasks=tuple(task.eval_tasks or [task.name]),
+                calibration=task.calibration,
+                overridden=frozenset(n for n in OVERRIDABLE if getattr(task, n) is not None),
+                **settings,
+            )
+        )
+    return resolved
+
+
+# ---- reading the block ---------------------------------------------------------------------------
+
+
+def surgery_block(source: str | Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The raw ``surgery:`` mapping of a merge YAML (text or parsed), or None when there is none."""
+    if source is None:
+        return None
+    if isinstance(source, str):
+        if "surgery" not in source:  # cheap: most merges have no block
+            return None
+        source = yaml.safe_load(source)
+    if not isinstance(source, Mapping) or "surgery" not in source:
+        return None
+    block = source["surgery"]
+    if not isinstance(block, Mapping):
+        raise SurgeryConfigError(
+            "surgery: expected a mapping with a `tasks:` list; remove the key to merge without "
+            "surgery"
+        )
+    return block
+
+
+def read_surgery_file(path: str | Path) -> Mapping[str, Any]:
+    """The block from a YAML file holding either a whole merge config with ``surgery:`` or the block."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise SurgeryConfigError(f"cannot read {path}: {err.strerror or err}") from err
+    except yaml.YAMLError as err:
+        raise SurgeryConfigError(f"{path} is not valid YAML: {_first_line(str(err))}") from err
+    block = surgery_block(data)
+    if block is None and isinstance(data, Mapping) and "tasks" in data:
+        block = data
+    if block is None:
+        raise SurgeryConfigError(
+            f"{path} holds no surgery block: give a merge YAML with a `surgery:` key or the block "
+            "itself (a mapping with `tasks:`)"
+        )
+    return block
+
+
+def parse_surgery(block: SurgeryConfig | Mapping[str, Any]) -> SurgeryConfig:
+    """Validate the block's schema and the rules between its keys; no file or model is touched."""
+    if isinstance(block, SurgeryConfig):
+        config = block
+    else:
+        try:
+            config = SurgeryConfig.model_validate(dict(block))
+        except ValidationError as err:
+            raise SurgeryConfigError(_describe(err)) from None
+    _check_rules(config)
+    return config
+
+
+def _check_rules(config: SurgeryConfig) -> None:
+    seen: dict[str, str] = {}
+    served: dict[str, str] = {}
+    for task in resolve_tasks(config):
+        if task.name in seen:
+            raise SurgeryConfigError(
+                f"{task.key}.name: duplicate task name {task.name!r} (also {seen[task.name]}); "
+                "each task needs its own name"
+            )
+        seen[task.name] = task.key
+        for eval_task in task.eval_tasks:
+            if eval_task in served:
+                raise SurgeryConfigError(
+                    f"{task.key}.eval_tasks: lm-eval task {eval_task!r} is already served by task "
+                    f"{served[eval_task]!r}; each lm-eval task may pick one module"
+                )
+            served[eval_task] = task.name
+        _check_calibration(task)
+    _check_device(config.device)
+
+
+def _check_calibration(task: ResolvedTask) -> None:
+    cal, key = task.calibration, f"{task.key}.calibration"
+    if (cal.path is None) == (cal.dataset is None):
+        raise SurgeryConfigError(
+            f"{key}: give exactly one source, `path:` (a .jsonl/.json/.txt/.parquet file) or "
+            "`dataset:` (+ `split:`)"
+        )
+    if cal.dataset is not None and cal.split is None:
+        raise SurgeryConfigError(f"{key}.split: required with `dataset:` (e.g. split: train)")
+    if cal.path is not None and (cal.split is not None or cal.name is not None):
+        extra = "split" if cal.split is not None else "name"
+        raise SurgeryConfigError(f"{key}.{extra}: only applies to `dataset:`; remove it")
+    if cal.field is not None and cal.template is not None:
+        raise SurgeryConfigError(f"{key}.template: give `field:` or `template:`, not both")
+    if cal.template is not None:
+        _check_template(cal.template, f"{key}.template")
+    if cal.max_length > task.max_positions:
+        raise SurgeryConfigError(
+            f"{key}.max_length: {cal.max_length} exceeds max_positions {task.max_positions} "
+            "(the position table cannot cover it); lower max_length or raise max_positions"
+        )
+    if cal.continuation_tokens >= cal.max_length:
+        raise SurgeryConfigError(
+            f"{key}.continuation_tokens: {cal.continuation_tokens} leaves no room for the prompt "
+            f"within max_length {cal.max_length}; prompt + completion must fit max_length"
+        )
+    if task.loss_positions == "completion" and cal.continuation_tokens == 0:
+        raise SurgeryConfigError(
+            f"{task.source_key('loss_positions')}: `completion` needs "
+            f"{key}.continuation_tokens > 0 (task {task.name!r} has no completion to train on)"
+        )
+
+
+def _check_template(template: str, key: str) -> None:
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as err:
+        raise SurgeryConfigError(f"{key}: {err}; write literal braces as {{{{ and }}}}") from None
+    names = [name for _, name, _, _ in parts if name is not None]
+    if not names:
+        raise SurgeryConfigError(
+            f"{key}: names no {{field}} of the records; e.g. 'Q: {{question}}'"
+        )
+    for name in names:
+        if not name.isidentifier():
+            raise SurgeryConfigError(
+                f"{key}: {{{name}}} is not a plain field name; use {{field}} placeholders only"
+            )
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SurgeryConfigError(
+            f"surgery.device: {device!r} is not a device; use auto, cpu, cuda or cuda:N"
+        ) from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise SurgeryConfigError(
+            f"surgery.device: {device!r} asked for, but torch sees no CUDA device; use auto or cpu"
+        )
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` means CUDA when torch sees one, else the CPU."""
+    import torch
+
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---- files and models the block names ------------------------------------------------------------
+
+
+def local_or_hub(ref: str, key: str) -> str:
+    """An absolute folder path for a local model, or ``ref`` itself for a Hub id."""
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise SurgeryConfigError(f"{key}: {ref} is a file; name the model's folder")
+        return str(path.resolve())
+    # mergekit's rule (mergekit.card.is_hf): anything else may be a Hub id such as gpt2 or org/name
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+        raise SurgeryConfigError(
+            f"{key}: no model folder at {path.resolve()} (relative paths resolve from the "
+            f"working directory {os.getcwd()})"
+        )
+    return ref
+
+
+def calibration_file(task: ResolvedTask) -> Path | None:
+    """The calibration file of a ``path:`` source, checked to exist and have a known suffix."""
+    cal, key = task.calibration, f"{task.key}.calibration.path"
+    if cal.path is None:
+        return None
+    path = Path(cal.path).expanduser().resolve()
+    if path.suffix.lower() not in CALIBRATION_SUFFIXES:
+        raise SurgeryConfigError(
+            f"{key}: {cal.path} has an unsupported suffix; use one of "
+            f"{', '.join(CALIBRATION_SUFFIXES)}"
+        )
+    if not path.is_file():
+        raise SurgeryConfigError(
+            f"{key}: no file at {path} (relative paths resolve from the working directory "
+            f"{os.getcwd()})"
+        )
+    if path.stat().st_size == 0:
+        raise SurgeryConfigError(f"{key}: {cal.path} is empty; give it at least one prompt")
+    return path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What surgery needs to know about a model without loading its weights."""
+
+    hidden_size: int | None
+    vocab_size: int | None
+
+
+def model_shape(ref: str, key: str, *, trust_remote_code: bool) -> ModelShape:
+    """Hidden and vocabulary size from the model's config.json (no weights are read)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(ref, trust_remote_code=trust_remote_code)
+    except Exception as err:  # OSError, ValueError, hub errors: all mean "cannot use it"
+        local = "" if Path(ref).exists() else f"; there is no folder {Path(ref).resolve()} either"
+        raise SurgeryConfigError(
+            f"{key}: cannot read a model config from {ref!r}: {_first_line(str(err))}{local}"
+        ) from None
+    text = config.get_text_config(decoder=True)
+    return ModelShape(getattr(text, "hidden_size", None), getattr(text, "vocab_size", None))
+
+
+def check_targets(
+    tasks: list[ResolvedTask],
+    reference: str,
+    reference_label: str,
+    *,
+    trust_remote_code: bool,
+    check_vocab: bool = True,
+) -> dict[str, str]:
+    """Check each target against ``reference`` (the base before merging, the merge after).
+
+    Returns each task's resolved target location. With ``check_vocab`` the vocabulary size and
+    the tokenizer's token -> id map must match too: calibration feeds one sequence of token ids
+    to both models.
+    """
+    ref_shape = model_shape(reference, reference_label, trust_remote_code=trust_remote_code)
+    ref_vocab = _tokenizer_vocab(reference, trust_remote_code) if check_vocab else None
+    located = {}
+    for task in tasks:
+        key = f"{task.key}.target"
+        where = local_or_hub(task.target, key)
+        shape = model_shape(where, key, trust_remote_code=trust_remote_code)
+        if shape.hidden_size != ref_shape.hidden_size:
+            raise SurgeryConfigError(
+                f"{key}: {task.target} has hidden_size {shape.hidden_size}, the {reference_label} "
+                f"has {ref_shape.hidden_size}; surgery needs targets of the merged architecture"
+            )
+        if check_vocab and shape.vocab_size != ref_shape.vocab_size:
+            raise SurgeryConfigError(
+                f"{key}: {task.target} has vocab_size {shape.vocab_size}, the {reference_label} "
+                f"has {ref_shape.vocab_size}; the target must share the merged model's vocabulary"
+            )
+        target_vocab = _tokenizer_vocab(where, trust_remote_code) if check_vocab else None
+        if ref_vocab is not None and target_vocab is not None and target_vocab != ref_vocab:
+            differ = len(set(ref_vocab.items()) ^ set(target_vocab.items()))
+            raise SurgeryConfigError(
+                f"{key}: the tokenizer of {task.target} differs from the {reference_label}'s "
+                f"({differ} token/id pairs differ); calibration feeds the same token ids to both"
+            )
+        located[task.name] = where
+    return located
+
+
+def _tokenizer_vocab(ref: str, trust_remote_code: bool) -> dict[str, int] | None:
+    """The token -> id map, or None when the folder has no tokenizer to compare."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code).get_vocab()
+    except Exception:  # no tokenizer files: nothing to compare, the vocab_size check remains
+        return None
+
+
+def check_output(out_path: str | Path, overwrite: bool) -> None:
+    """Refuse to replace an existing ``surgery/`` folder unless asked to."""
+    folder = Path(out_path) / "surgery"
+    if folder.exists() and not overwrite:
+        raise SurgeryConfigError(
+            f"{folder} already exists: pass --overwrite-surgery (mergekit-darts merge), "
+            "--overwrite (mergekit-darts calibrate), set DARTS_OVERWRITE_SURGERY=1 (mergekit-yaml), "
+            "or remove it"
+        )
+
+
+# ---- messages ------------------------------------------------------------------------------------
+
+
+def _describe(err: ValidationError) -> str:
+    """One line for the first schema error, naming its key path like the YAML does."""
+    errors = err.errors()
+    first = errors[0]
+    loc = [p for p in first["loc"] if not (isinstance(p, str) and "[" in p)]  # drop union tags
+    key = _key_path(loc)
+    kind, value = first["type"], first.get("input")
+    if kind == "extra_forbidden":
+        allowed = ", ".join(_model_at(loc[:-1]).model_fields)
+        text = f"{key}: unknown key; allowed here: {allowed}"
+    elif kind == "missing":
+        text = f"{key}: required key is missing"
+    elif kind == "literal_error":
+        choices = first["ctx"]["expected"].replace("'", "")
+        text = f"{key}: {_short(value)} is not allowed; choose one of {choices}"
+    elif kind in ("greater_than", "greater_than_equal"):
+        bound = "> " if kind == "greater_than" else ">= "
+        text = f"{key}: must be {bound}{next(iter(first['ctx'].values()))} (got {_short(value)})"
+    elif kind == "too_short":
+        text = f"{key}: must not be empty"
+    elif kind == "value_error":  # our validators name the value themselves
+        text = f"{key}: {first['msg'].removeprefix('Value error, ')}"
+    else:
+        text = f"{key}: {first['msg'].lower()} (got {_short(value)})"
+    more = len(errors) - 1
+    return _first_line(text + (f" (and {more} more problem{'s' * (more > 1)})" if more else ""))
+
+
+def _key_path(loc: list[Any]) -> str:
+    key = "surgery"
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return key
+
+
+def _model_at(loc: list[Any]) -> type[BaseModel]:
+    """The schema class whose keys sit at ``loc`` (list indices skipped)."""
+    model: type[BaseModel] = SurgeryConfig
+    for part in loc:
+        if not isinstance(part, int):
+            model = _model_in(model.model_fields[part].annotation) or model
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model class inside an annotation such as ``list[TaskConfig] | None``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if found := _model_in(arg):
+            return found
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _first_line(text: str) -> str:
+    return " ".join(text.split())

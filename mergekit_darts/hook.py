@@ -1,0 +1,105 @@
+"""Make mergekit's own ``run_merge`` honour a ``surgery:`` block.
+
+The ``.pth`` startup hook calls :func:`install` right after ``mergekit.merge`` is imported and
+before ``mergekit-yaml`` from-imports ``run_merge``. The wrapper reads the raw YAML mergekit
+passes as ``config_source`` (mergekit's own config model drops unknown keys): without a block it
+calls the stock function untouched; with one it validates the whole block first, merges, then
+runs the surgery on the output folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .config import SurgeryConfigError, surgery_block
+
+OVERWRITE_ENV = "DARTS_OVERWRITE_SURGERY"  # the overwrite flag for the stock mergekit-yaml
+
+
+def install(merge_module: ModuleType) -> None:
+    """Wrap ``merge_module.run_merge`` (once); the original stays reachable as ``__wrapped__``."""
+    original = merge_module.run_merge
+    if getattr(original, "__darts_hook__", False):
+        return
+
+    @functools.wraps(original)
+    def run_merge(
+        merge_config: Any, out_path: str, options: Any, config_source: str | None = None
+    ) -> Any:
+        return merge_with_surgery(original, merge_config, out_path, options, config_source)
+
+    run_merge.__darts_hook__ = True  # type: ignore[attr-defined]
+    merge_module.run_merge = run_merge
+
+
+def merge_with_surgery(
+    run_merge: Callable[..., Any],
+    merge_config: Any,
+    out_path: str,
+    options: Any,
+    config_source: str | None = None,
+    *,
+    overwrite: bool | None = None,
+) -> Any:
+    """``run_merge`` plus, when ``config_source`` has a ``surgery:`` block, the surgery.
+
+    The block, its files and its targets are checked against the merge's base model before
+    ``run_merge`` starts. ``overwrite=None`` reads ``DARTS_OVERWRITE_SURGERY``.
+    """
+    block = surgery_block(config_source)
+    if block is None:
+        return run_merge(merge_config, out_path, options=options, config_source=config_source)
+    from .config import check_targets
+    from .pipeline import prepare_surgery, run_prepared
+
+    if overwrite is None:
+        overwrite = os.environ.get(OVERWRITE_ENV, "") not in ("", "0")
+    reference = merge_config.base_model or _first_model(merge_config)
+    builds_tokenizer = (
+        merge_config.tokenizer is not None or merge_config.tokenizer_source is not None
+    )
+    if not options.copy_tokenizer and not builds_tokenizer:
+        raise SurgeryConfigError(
+            "surgery needs the merged model's tokenizer, but --no-copy-tokenizer leaves none in "
+            "the output folder; drop the flag or set the merge's tokenizer_source"
+        )
+    own_tokenizer = builds_tokenizer and merge_config.tokenizer_source != "base"
+    prepared = prepare_surgery(
+        block,
+        reference=reference.model.path,
+        reference_label=f"base model {reference.model.path}",
+        out_path=out_path,
+        overwrite=overwrite,
+        check_vocab=not own_tokenizer,
+    )
+    result = run_merge(merge_config, out_path, options=options, config_source=config_source)
+    # The merge may have built its own tokenizer: check the targets against what it wrote.
+    targets = check_targets(
+        prepared.tasks,
+        str(Path(out_path).resolve()),
+        f"merged model {out_path}",
+        trust_remote_code=prepared.config.trust_remote_code,
+    )
+    run_prepared(
+        out_path,
+        dataclasses.replace(prepared, targets=targets),
+        progress=not options.quiet,
+        write_card=options.write_model_card,
+    )
+    return result
+
+
+def _first_model(merge_config: Any) -> Any:
+    """The first model the YAML lists (``referenced_models()`` is unordered)."""
+    if merge_config.models:
+        return merge_config.models[0].model
+    if merge_config.slices:
+        return merge_config.slices[0].sources[0].model
+    module = next(iter(merge_config.modules.values()))
+    return module.models[0].model if module.models else module.slices[0].sources[0].model

@@ -1,0 +1,439 @@
+"""The surgery report: what each module removed, where in the sequence, and how training went.
+
+A merged folder's ``surgery/`` holds the manifest and, per task, the per-token bias before and
+after surgery (``diagnostics/<task>.safetensors``). This module turns them into a markdown and an
+HTML page with the paper's Figure 1 (δ_t heat map, sample × position) before and after, mean δ_t
+by position with the learned position bias ``||b_p||_1 / H`` on the same scale, the target's
+entropy by position (the EWL1 weights), loss curves and ρ_L1 per task. ``--recompute`` rebuilds
+the diagnostics from the calibration data and models (one model in memory at a time), e.g. for a
+folder written without entropy, and checks that the prompts still hash to what the manifest says.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from . import plots
+from .artifacts import MANIFEST, SurgeryFormatError, load_surgery, read_manifest
+
+REPORT_DIR = "report"  # inside surgery/: replaced together with the modules it describes
+
+
+@dataclass
+class Diagnostics:
+    """Per-token arrays of one task, [N, T] each (numpy), and where they came from."""
+
+    delta_before: np.ndarray
+    delta_after: np.ndarray
+    mask: np.ndarray  # real tokens
+    loss_mask: np.ndarray  # the tokens the loss and rho_L1 counted
+    entropy: np.ndarray | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def report_link_markdown(folder_name: str = "<folder>") -> str:
+    """The model card's line pointing at the report (the card sits next to ``surgery/``)."""
+    return (
+        "Diagnostics (δ_t heat maps before/after surgery, bias and entropy by position, loss "
+        f"curves): [surgery report](surgery/{REPORT_DIR}/report.md), written by "
+        f"`mergekit-darts report {folder_name}`."
+    )
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def load_diagnostics(surgery_dir: Path, entry: Mapping[str, Any]) -> Diagnostics | None:
+    """The diagnostics the pipeline stored for one task, or None when there are none."""
+    from safetensors.torch import load_file
+
+    name = entry.get("diagnostics")
+    if not name or not (surgery_dir / name).is_file():
+        return None
+    tensors = {k: plots.as_array(v) for k, v in load_file(surgery_dir / name).items()}
+    mask = tensors["mask"] > 0
+    return Diagnostics(
+        delta_before=tensors["delta_before"],
+        delta_after=tensors["delta_after"],
+        mask=mask,
+        loss_mask=tensors["loss_mask"] > 0 if "loss_mask" in tensors else mask,
+        entropy=tensors.get("entropy"),
+    )
+
+
+def position_bias_norm(surgery_dir: Path, task: str, entry: Mapping[str, Any]) -> np.ndarray | None:
+    """``||b_p||_1 / H`` of a pos_corr module (other modules have no bias on δ's scale)."""
+    if entry.get("module") != "pos_corr":
+        return None
+    return plots.position_bias_norm(load_surgery(surgery_dir, task).position_bias)
+
+
+def rho(diag: Diagnostics, mask: np.ndarray) -> float | None:
+    """``1 - sum delta_after / sum delta_before`` over ``mask`` (paper eq. 7)."""
+    before = diag.delta_before[mask].sum()
+    return None if before == 0 else float(1 - diag.delta_after[mask].sum() / before)
+
+
+def bias_growth(delta: np.ndarray, mask: np.ndarray) -> float | None:
+    """Mean δ_t over the last third of positions / over the first third (paper: 2–3× for 7B)."""
+    means, counts = plots.position_mean(delta, mask)
+    seen = np.flatnonzero(counts > 0)
+    if seen.size < 3:
+        return None
+    third = seen.size // 3
+    early = np.average(means[seen[:third]], weights=counts[seen[:third]])
+    late = np.average(means[seen[-third:]], weights=counts[seen[-third:]])
+    return float(late / early) if early > 0 else None
+
+
+# --- recomputing -----------------------------------------------------------------------------
+
+
+def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict[str, Diagnostics]:
+    """Rebuild every task's diagnostics (with entropy) from ``surgery/surgery.yml``'s data.
+
+    Targets load one at a time (prompt completions are regenerated greedily, as in calibration),
+    then the merged model once; relative paths resolve from the working directory, as when the
+    surgery ran. Prompts whose sha256 differ from the manifest are reported in the notes.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .capture import capture
+    from .config import resolve_device
+    from .continuation import continue_prompts, eos_token_ids
+    from .data import tokenize_prompts
+    from .pipeline import prepare_surgery
+    from .train import evaluate
+
+    surgery_dir = merged / "surgery"
+    prepared = prepare_surgery(
+        surgery_dir / manifest.get("config", "surgery.yml"),
+        reference=str(merged.resolve()),
+        reference_label=f"merged model {merged}",
+        out_path=merged,
+        overwrite=True,
+    )
+    config = prepared.config
+    device = resolve_device(config.device)
+    cache_dtype = getattr(torch, config.cache_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(merged, trust_remote_code=config.trust_remote_code)
+    pad_id = next(
+        (i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(i, int)), 0
+    )
+
+    def load(path: str) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype="auto",
+            device_map=config.device_map or device,
+            trust_remote_code=config.trust_remote_code,
+        ).eval()
+
+    def run(
+        model: torch.nn.Module, sequences: list[list[int]], batch: int, target: bool, desc: str
+    ):
+        return capture(
+            model,
+            sequences,
+            batch_size=batch,
+            with_entropy=target,
+            cache_dtype=cache_dtype,
+            cache_device=device,
+            pad_id=pad_id,
+            desc=desc,
+            progress=progress,
+        )
+
+    state: dict[str, dict[str, Any]] = {}
+    for task in prepared.tasks:
+        cal = task.calibration
+        prompts = prepared.prompts[task.name]
+        ids = tokenize_prompts(
+            tokenizer,
+            prompts.texts,
+            max_length=cal.max_length - cal.continuation_tokens,
+            chat_template=cal.chat_template,
+            key=f"{task.key}.calibration",
+        )
+        model = load(prepared.targets[task.name])
+        completion = None
+        if cal.continuation_tokens:
+            continued = continue_prompts(
+                model,
+                ids,
+                max_new_tokens=cal.continuation_tokens,
+                eos_ids=eos_token_ids(model, tokenizer),
+                pad_id=pad_id,
+                batch_size=task.batch_size,
+                progress=progress,
+                desc=f"{task.name}: generate",
+            )
+            ids, completion = continued.sequences, continued.mask
+        notes = _hash_notes(prompts.sha256, manifest["tasks"].get(task.name, {}))
+        target = run(model, ids, task.batch_size, True, f"{task.name}: target")
+        state[task.name] = {"ids": ids, "completion": completion, "target": target, "notes": notes}
+        del model
+    merged_model = load(str(merged))
+    out = {}
+    for task in prepared.tasks:
+        s = state[task.name]
+        merged_states = run(merged_model, s["ids"], task.batch_size, False, f"{task.name}: merged")
+        module = load_surgery(surgery_dir, task.name)
+        before, after, _ = evaluate(module, merged_states, s["target"], merged_states.mask)
+        mask = merged_states.mask.cpu()
+        completion = s["completion"]
+        loss_mask = mask & completion if task.loss_positions == "completion" else mask
+        out[task.name] = Diagnostics(
+            delta_before=plots.as_array(before),
+            delta_after=plots.as_array(after),
+            mask=plots.as_array(mask) > 0,
+            loss_mask=plots.as_array(loss_mask) > 0,
+            entropy=plots.as_array(s["target"].entropy),
+            notes=["Diagnostics recomputed from the calibration data and models.", *s["notes"]],
+        )
+    return out
+
+
+def _hash_notes(sha256: Sequence[str], entry: Mapping[str, Any]) -> list[str]:
+    stored = entry.get("calibration", {}).get("prompt_sha256") or []
+    if list(sha256) == list(stored):
+        return []
+    differ = sum(a != b for a, b in zip(sha256, stored, strict=False)) + abs(
+        len(sha256) - len(stored)
+    )
+    return [
+        f"warning: {differ} calibration prompt(s) differ from those the module was trained on "
+        "(prompt sha256 in the manifest); the recomputed bias is on different data"
+    ]
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+class _Doc:
+    """A page built once and written as both markdown and HTML."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[str, Any]] = []
+
+    def heading(self, level: int, text: str) -> None:
+        self.blocks.append(("h", (level, text)))
+
+    def text(self, text: str) -> None:
+        self.blocks.append(("p", text))
+
+    def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        self.blocks.append(("table", (list(header), [[str(c) for c in r] for r in rows])))
+
+    def image(self, path: Path, alt: str) -> None:
+        self.blocks.append(("img", (path.name, alt)))
+
+    def markdown(self) -> str:
+        out = []
+        for kind, value in self.blocks:
+            if kind == "h":
+                out.append("#" * value[0] + " " + value[1])
+            elif kind == "p":
+                out.append(value)
+            elif kind == "table":
+                header, rows = value
+                lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                out.append("\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]))
+            else:
+                out.append(f"![{value[1]}]({value[0]})")
+        return "\n\n".join(out) + "\n"
+
+    def html(self, title: str) -> str:
+        e = html.escape
+        out = [
+            "<!doctype html><html><head><meta charset='utf-8'>",
+            f"<title>{e(title)}</title><style>body{{font-family:sans-serif;max-width:1100px;"
+            "margin:auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+            "padding:2px 8px;text-align:right}img{max-width:100%}</style></head><body>",
+        ]
+        for kind, value in self.blocks:
+            if kind == "h":
+                out.append(f"<h{value[0]}>{e(value[1])}</h{value[0]}>")
+            elif kind == "p":
+                out.append(f"<p>{e(value)}</p>")
+            elif kind == "table":
+                header, rows = value
+                out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
+                out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
+                out.append("</table>")
+            else:
+                out.append(f"<p><img src='{e(value[0])}' alt='{e(value[1])}'></p>")
+        return "\n".join(out + ["</body></html>"]) + "\n"
+
+
+def _f(value: Any, digits: int = 4) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def write_report(
+    merged: str | Path,
+    *,
+    output: str | Path | None = None,
+    recompute_diagnostics: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write ``report.md``, ``report.html`` and the PNGs; returns the markdown's path.
+
+    The default place is ``<merged>/surgery/report/``, so a re-run surgery (which replaces
+    ``surgery/``) never leaves a report describing modules that no longer exist.
+    """
+    merged = Path(merged)
+    surgery_dir = merged / "surgery"
+    manifest = read_manifest(surgery_dir)
+    tasks: dict[str, Mapping[str, Any]] = manifest["tasks"]
+    out = Path(output) if output else surgery_dir / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    diagnostics = (
+        recompute(merged, manifest, progress)
+        if recompute_diagnostics
+        else {t: load_diagnostics(surgery_dir, e) for t, e in tasks.items()}
+    )
+    doc = _Doc()
+    doc.heading(1, f"DARTS surgery report: {merged.resolve().name}")
+    doc.text(
+        f"From `{surgery_dir / MANIFEST}` (mergekit-darts {version('mergekit-darts')}). "
+        "δ_t = ‖ĥ_t − h*_t‖₁ / H per token; ρ_L1 = 1 − Σδ_after / Σδ_before over the tokens the "
+        "loss counted (higher: more of the gap to the target removed)."
+    )
+    doc.table(
+        ["task", "module", "loss", "rank", "steps", "lr", "seed", "positions", "prompts"]
+        + ["tokens", "δ before", "δ after", "ρ_L1", "final loss"],
+        [
+            [
+                t,
+                e["module"],
+                e["loss"],
+                e["rank"],
+                e["steps"],
+                e["lr"],
+                e["seed"],
+                e["loss_positions"],
+                e["calibration"]["num_prompts"],
+                e["metrics"]["tokens"],
+                _f(e["metrics"]["delta_before"]),
+                _f(e["metrics"]["delta_after"]),
+                _f(e["metrics"]["rho_l1"], 3),
+                _f(e["metrics"]["final_loss"]),
+            ]
+            for t, e in tasks.items()
+        ],
+    )
+    rhos = {t: e["metrics"]["rho_l1"] for t, e in tasks.items()}
+    doc.image(plots.plot_rho(rhos, out / "rho_l1.png"), "rho_L1 per task")
+    curves, every = {}, {}
+    for t, e in tasks.items():
+        curves[t] = e["metrics"].get("loss_curve") or []
+        every[t] = e["metrics"].get("loss_curve_every", 1)
+    doc.image(plots.plot_loss_curves(curves, out / "loss_curves.png", every), "loss curves")
+    for task, entry in tasks.items():
+        _task_section(doc, out, surgery_dir, task, entry, diagnostics.get(task))
+    (out / "report.md").write_text(doc.markdown(), encoding="utf-8")
+    (out / "report.html").write_text(doc.html(f"DARTS surgery report: {merged.name}"))
+    return out / "report.md"
+
+
+def _task_section(
+    doc: _Doc,
+    out: Path,
+    surgery_dir: Path,
+    task: str,
+    entry: Mapping[str, Any],
+    diag: Diagnostics | None,
+) -> None:
+    cal = entry["calibration"]
+    doc.heading(2, f"Task `{task}`")
+    completion = cal.get("continuation_tokens") or 0
+    doc.text(
+        f"Target `{entry['target']}`, serves lm-eval task(s) {', '.join(entry['eval_tasks'])}. "
+        f"Calibration: {cal['num_prompts']} prompts from `{cal['source']}`"
+        + (f" + the target's greedy completion (≤ {completion} tokens)" if completion else "")
+        + f"; loss on {entry['loss_positions']} positions."
+    )
+    if diag is None:
+        doc.text(
+            "No per-token diagnostics are stored for this task: run "
+            "`mergekit-darts report <folder> --recompute` to compute them."
+        )
+        return
+    for note in diag.notes:
+        doc.text(note)
+    doc.text(
+        f"ρ_L1 on the tokens the loss counted: {_f(rho(diag, diag.loss_mask), 3)}; on every "
+        f"calibration token: {_f(rho(diag, diag.mask), 3)}."
+    )
+    growth = bias_growth(diag.delta_before, diag.mask)
+    if growth is not None:
+        doc.text(
+            f"Bias growth with position: mean δ_t before surgery over the last third of "
+            f"positions is {growth:.2f}× that over the first third (paper, Llama-2-7B: 2–3×)."
+        )
+    doc.image(
+        plots.plot_delta_heatmap(
+            diag.delta_before, diag.delta_after, diag.mask, out / f"{task}_delta_heatmap.png", task
+        ),
+        f"{task}: delta heat map",
+    )
+    doc.image(
+        plots.plot_delta_by_position(
+            diag.delta_before,
+            diag.delta_after,
+            diag.mask,
+            out / f"{task}_delta_by_position.png",
+            bias_norm=position_bias_norm(surgery_dir, task, entry),
+            title=f"{task}: representation bias by position",
+        ),
+        f"{task}: delta by position",
+    )
+    if diag.entropy is None:
+        doc.text(
+            f"The target's entropy was not stored (it is computed for the ewl1 loss; this module "
+            f"used {entry['loss']}): `--recompute` computes it."
+        )
+    else:
+        doc.image(
+            plots.plot_entropy_by_position(
+                diag.entropy,
+                diag.mask,
+                out / f"{task}_entropy.png",
+                f"{task}: target entropy by position",
+            ),
+            f"{task}: entropy by position",
+        )
+
+
+@click.command("report")
+@click.argument("merged", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder for the report (default: MERGED/surgery/report).",
+)
+@click.option(
+    "--recompute",
+    is_flag=True,
+    help="Recompute δ_t and entropy on the calibration set (loads every target, then the merge).",
+)
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def report_command(merged: Path, output: Path | None, recompute: bool, quiet: bool) -> None:
+    """Write a markdown + HTML report of MERGED/surgery with plots (paper Figure 1 and more)."""
+    try:
+        path = write_report(
+            merged, output=output, recompute_diagnostics=recompute, progress=not quiet
+        )
+    except SurgeryFormatError as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(f"wrote {path} and {path.with_suffix('.html')}")

@@ -1,0 +1,610 @@
+"""Ablation sweeps: a grid of surgery settings on one merged model, each cell calibrated and scored.
+
+The paper's ablations (Tables 5, 6, 9-14) vary one or two settings — module, loss, rank, steps,
+learning rate, calibration size, seed — and score every variant on the same benchmarks. A sweep
+does that from one YAML: each grid cell runs the real post-merge step (``run_surgery``) into its
+own folder and is evaluated in-process with lm-eval through ``hf-darts``, with per-item scores
+logged so that :mod:`mergekit_darts.stats` can pair them. Each finished cell is written to disk at
+once and skipped on the next run, so a killed sweep loses only the cell that was running.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import click
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from tqdm.auto import tqdm
+
+from . import stats
+from .config import (
+    CacheDtype,
+    LossName,
+    LossPositions,
+    ModuleKind,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    SurgeryConfigError,
+    parse_surgery,
+    read_surgery_file,
+    resolve_device,
+)
+
+CELLS = "cells"
+RESULT = "result.json"
+BASELINE = {"surgery": "none"}
+CALIBRATION_KEYS = ("num_samples", "max_length", "continuation_tokens")
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+GRID_TYPES: dict[str, Any] = {
+    "module": ModuleKind,
+    "loss": LossName,
+    "rank": PositiveInt,
+    "max_positions": PositiveInt,
+    "steps": PositiveInt,
+    "lr": PositiveFloat,
+    "batch_size": PositiveInt,
+    "seed": NonNegativeInt,
+    "loss_positions": LossPositions,
+    "cache_dtype": CacheDtype,
+    "num_samples": PositiveInt,
+    "max_length": PositiveInt,
+    "continuation_tokens": NonNegativeInt,
+}
+_GRID_ADAPTERS = {k: TypeAdapter(list[t]) for k, t in GRID_TYPES.items()}
+
+
+def _check_grid(grid: Any) -> dict[str, list[Any]]:
+    """Values to try per setting, in YAML order; a cell is one combination of them."""
+    if not isinstance(grid, Mapping) or not grid:
+        raise ValueError("expected a mapping of setting -> list of values, e.g. loss: [l1, ewl1]")
+    checked = {}
+    for key, values in grid.items():
+        if key not in GRID_TYPES:
+            raise ValueError(f"{key}: cannot be swept; choose from {', '.join(GRID_TYPES)}")
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{key}: expected a non-empty list of values, got {values!r}")
+        try:
+            checked[key] = _GRID_ADAPTERS[key].validate_python(values)
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise ValueError(
+                f"{key}[{first['loc'][0]}]: {first['msg'].lower()} (got {first.get('input')!r})"
+            ) from None
+        if len(set(map(str, checked[key]))) != len(values):
+            raise ValueError(f"{key}: a value is listed twice")
+    return checked
+
+
+Grid = Annotated[dict[str, list[Any]], BeforeValidator(_check_grid)]
+
+
+class EvalSpec(_Block):
+    """How each cell is scored: ``lm_eval.simple_evaluate`` arguments, model ``hf-darts``."""
+
+    tasks: list[str] = Field(min_length=1)
+    include_path: list[str] | str | None = None
+    include_defaults: bool = True
+    limit: float | None = None
+    num_fewshot: int | None = None
+    batch_size: int | str = 8
+    device: str = "auto"
+    model_args: dict[str, Any] = Field(default_factory=dict)
+    surgery_map: str | None = None
+    metric: str | dict[str, str] | None = None
+    scale: float = 100.0
+    gen_kwargs: dict[str, Any] | None = None
+    apply_chat_template: bool = False
+    confirm_run_unsafe_code: bool = False
+    random_seed: int = 0
+
+
+class Compare(_Block):
+    a: str
+    b: str
+    unit: Literal["seed", "item"] = "seed"
+
+
+class SweepSpec(_Block):
+    """The whole ``sweep.yml``."""
+
+    merged: str
+    surgery: str | dict[str, Any]
+    output: str | None = None
+    grid: Grid
+    baseline: bool = True
+    eval: EvalSpec
+    compare: Compare | None = None
+
+
+# --- the spec ------------------------------------------------------------------------------
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    """Parse and validate ``sweep.yml``; one-line errors naming the key path."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise SurgeryConfigError(f"cannot read {path}: {err.strerror or err}") from err
+    except yaml.YAMLError as err:
+        raise SurgeryConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from err
+    if not isinstance(data, Mapping):
+        raise SurgeryConfigError(f"{path}: expected a mapping with merged, surgery, grid, eval")
+    try:
+        return SweepSpec.model_validate(dict(data))
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = "sweep" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            message = (
+                f"unknown key; allowed: {', '.join(_model_at(first['loc'][:-1]).model_fields)}"
+            )
+        elif first["type"] == "missing":
+            message = "required key is missing"
+        elif first["type"] == "value_error":  # _check_grid: "<setting>[i]: <problem>"
+            key, message = f"{key}.{first['msg'].removeprefix('Value error, ')}", ""
+        else:
+            message = f"{first['msg'].lower()} (got {first.get('input')!r})"
+        raise SurgeryConfigError(f"{key}: {message}" if message else key) from None
+
+
+def _model_at(loc: Sequence[Any]) -> type[BaseModel]:
+    """The spec class whose keys sit at ``loc`` (for listing the allowed keys)."""
+    model: type[BaseModel] = SweepSpec
+    for part in loc:
+        annotation = model.model_fields[part].annotation
+        for candidate in (annotation, *getattr(annotation, "__args__", ())):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                model = candidate
+    return model
+
+
+def surgery_block(spec: SweepSpec) -> dict[str, Any]:
+    """The base surgery block: inline, or read from a merge YAML (or block YAML) file."""
+    if isinstance(spec.surgery, str):
+        return copy.deepcopy(dict(read_surgery_file(spec.surgery)))
+    return copy.deepcopy(spec.surgery)
+
+
+def output_dir(spec: SweepSpec, spec_path: str | Path) -> Path:
+    return Path(spec.output) if spec.output else Path("runs") / Path(spec_path).stem
+
+
+def cells(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the grid's values, in YAML order (the last key varies fastest)."""
+    return [dict(zip(grid, combo, strict=True)) for combo in itertools.product(*grid.values())]
+
+
+def cell_id(settings: Mapping[str, Any]) -> str:
+    """Folder-safe name of a cell, e.g. ``module-pos_corr__loss-ewl1__seed-0``."""
+    return "__".join(f"{k}-{v}" for k, v in settings.items()) or "default"
+
+
+def cell_block(block: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The surgery block of one cell: the grid's values set on every task (so they win)."""
+    block = copy.deepcopy(dict(block))
+    for key, value in settings.items():
+        if key == "cache_dtype":
+            block[key] = value
+            continue
+        for task in block.get("tasks") or []:
+            if key in CALIBRATION_KEYS:
+                task.setdefault("calibration", {})[key] = value
+            else:
+                task[key] = value
+    return block
+
+
+def fingerprint(*parts: Any) -> str:
+    """sha256 of the JSON of what determines a cell's result: a changed spec reruns the cell."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# --- one cell ------------------------------------------------------------------------------
+
+
+def cell_model_dir(merged: Path, cell_dir: Path) -> Path:
+    """A folder that looks like the merged checkpoint (symlinks) so ``run_surgery`` writes here.
+
+    ``surgery/`` and the model card are not linked: the surgery and its card section of this
+    cell must never land in the user's merged folder.
+    """
+    model = cell_dir / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    for item in merged.iterdir():
+        if item.name in ("surgery", "README.md") or item.name.startswith("."):
+            continue
+        link = model / item.name
+        if not link.is_symlink():
+            link.symlink_to(item.resolve(), target_is_directory=item.is_dir())
+    return model
+
+
+def calibrate(merged: Path, cell_dir: Path, block: Mapping[str, Any]) -> Path:
+    """Run the real post-merge step for one cell; returns its ``surgery/`` folder."""
+    from .pipeline import run_surgery
+
+    model = cell_model_dir(merged, cell_dir)
+    run_surgery(model, block, overwrite=True, progress=False, write_card=False)
+    return model / "surgery"
+
+
+def evaluate(
+    merged: Path, surgery_path: Path | None, spec: EvalSpec, task_manager: Any
+) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` with ``hf-darts`` (``surgery=none`` for the baseline)."""
+    import lm_eval
+
+    import lm_eval_darts.model  # noqa: F401  (registers hf-darts)
+
+    model_args: dict[str, Any] = {"pretrained": str(merged), **spec.model_args}
+    if surgery_path is None:
+        model_args["surgery"] = "none"
+    else:
+        model_args.update(surgery="auto", surgery_path=str(surgery_path))
+        if spec.surgery_map:
+            model_args["surgery_map"] = spec.surgery_map
+    return lm_eval.simple_evaluate(
+        model="hf-darts",
+        model_args=model_args,
+        tasks=list(spec.tasks),
+        num_fewshot=spec.num_fewshot,
+        batch_size=spec.batch_size,
+        device=resolve_device(spec.device),
+        limit=spec.limit,
+        log_samples=True,
+        bootstrap_iters=0,
+        gen_kwargs=spec.gen_kwargs,
+        apply_chat_template=spec.apply_chat_template,
+        confirm_run_unsafe_code=spec.confirm_run_unsafe_code,
+        task_manager=task_manager,
+        random_seed=spec.random_seed,
+        numpy_random_seed=spec.random_seed,
+        torch_random_seed=spec.random_seed,
+        fewshot_random_seed=spec.random_seed,
+    )
+
+
+def _metric_key(task: str, row: Mapping[str, Any], spec: EvalSpec) -> str:
+    """``metric,filter`` key of ``results[task]``: the configured metric or the task's first."""
+    wanted = spec.metric.get(task) if isinstance(spec.metric, dict) else spec.metric
+    keys = [k for k in row if "," in k and "_stderr" not in k.split(",")[0]]
+    if wanted:
+        hits = [k for k in keys if k == wanted or k.split(",")[0] == wanted]
+        if not hits:
+            raise SurgeryConfigError(
+                f"eval.metric: task {task!r} reports no metric {wanted!r}; it has {', '.join(keys)}"
+            )
+        return hits[0]
+    if not keys:
+        raise SurgeryConfigError(f"eval.tasks: lm-eval returned no metric for task {task!r}")
+    return keys[0]
+
+
+def scores_of(results: Mapping[str, Any], spec: EvalSpec) -> dict[str, Any]:
+    """Aggregate score, metric name and per-item scores of each task (scaled by ``eval.scale``)."""
+    scores, metrics, items = {}, {}, {}
+    for task in spec.tasks:
+        if task not in results["results"]:
+            raise SurgeryConfigError(f"eval.tasks: lm-eval returned no results for {task!r}")
+        row = results["results"][task]
+        key = _metric_key(task, row, spec)
+        metric, _, filt = key.partition(",")
+        scores[task] = spec.scale * float(row[key])
+        metrics[task] = key
+        items[task] = {
+            str(s["doc_id"]): spec.scale * float(s[metric])
+            for s in results.get("samples", {}).get(task, [])
+            if s.get("filter", filt) == filt and metric in s
+        }
+    return {"scores": scores, "metric": metrics, "items": items}
+
+
+def rho_of(surgery_path: Path, spec: EvalSpec) -> tuple[dict[str, float], dict[str, float | None]]:
+    """rho_L1 per surgery task (manifest) and of the module serving each eval task."""
+    from lm_eval_darts.model import manifest_routes, parse_surgery_map, route
+
+    from .artifacts import read_manifest
+
+    manifest = read_manifest(surgery_path)
+    rho = {name: float(entry["metrics"]["rho_l1"]) for name, entry in manifest["tasks"].items()}
+    routes = parse_surgery_map(spec.surgery_map) if spec.surgery_map else manifest_routes(manifest)
+    eval_rho = {}
+    for task in spec.tasks:
+        module = route(routes, task)
+        eval_rho[task] = rho.get(module) if module else None
+    return rho, eval_rho
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write-then-rename: a kill mid-write never leaves a half file that looks finished."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def run_cell(
+    spec: SweepSpec,
+    merged: Path,
+    cell_dir: Path,
+    settings: Mapping[str, Any],
+    block: Mapping[str, Any] | None,
+    key: str,
+    task_manager: Any,
+) -> dict[str, Any]:
+    """Calibrate (unless baseline), evaluate, and write ``result.json`` of one cell."""
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    surgery_path = None if block is None else calibrate(merged, cell_dir, block)
+    calibrated = time.perf_counter()
+    results = evaluate(merged, surgery_path, spec.eval, task_manager)
+    record: dict[str, Any] = {
+        "cell": cell_id(settings),
+        "settings": dict(settings),
+        "fingerprint": key,
+        **scores_of(results, spec.eval),
+        "rho_l1": {},
+        "eval_rho": {},
+        "seconds": {
+            "surgery": round(calibrated - start, 3),
+            "eval": round(time.perf_counter() - calibrated, 3),
+        },
+    }
+    if surgery_path is not None:
+        record["rho_l1"], record["eval_rho"] = rho_of(surgery_path, spec.eval)
+    write_json(cell_dir / RESULT, record)
+    return record
+
+
+# --- the sweep -----------------------------------------------------------------------------
+
+
+def plan(spec: SweepSpec) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """(settings, surgery block or None for the baseline) of every cell, all validated up front."""
+    base = surgery_block(spec)
+    planned: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    if spec.baseline:
+        planned.append((dict(BASELINE), None))
+    for settings in cells(spec.grid):
+        block = cell_block(base, settings)
+        try:
+            parse_surgery(block)
+        except SurgeryConfigError as err:
+            raise SurgeryConfigError(f"sweep cell {cell_id(settings)}: {err.message}") from None
+        planned.append((settings, block))
+    check_routes(spec, base)
+    return planned
+
+
+def check_routes(spec: SweepSpec, block: Mapping[str, Any]) -> None:
+    """Every eval task must be served by a surgery task (``eval_tasks`` or ``eval.surgery_map``)."""
+    from lm_eval_darts.model import parse_surgery_map, route
+
+    if spec.eval.surgery_map:
+        routes = parse_surgery_map(spec.eval.surgery_map)
+    else:
+        routes = {
+            eval_task: task["name"]
+            for task in block["tasks"]
+            for eval_task in task.get("eval_tasks") or [task["name"]]
+        }
+    for task in spec.eval.tasks:
+        if route(routes, task) is None:
+            raise SurgeryConfigError(
+                f"sweep.eval.tasks: no surgery task serves {task!r}; list it in a surgery task's "
+                "eval_tasks, or set eval.surgery_map (e.g. 'gsm8k:math;humaneval:code', or "
+                f"'{task}:none' to score it without surgery)"
+            )
+
+
+def run_sweep(spec: SweepSpec, output: Path) -> list[dict[str, Any]]:
+    """Run every unfinished cell; returns all cell records (finished earlier or now)."""
+    from lm_eval.tasks import TaskManager
+
+    merged = Path(spec.merged).expanduser().resolve()
+    if not (merged / "config.json").is_file():
+        raise SurgeryConfigError(f"sweep.merged: no model (config.json) in {merged}")
+    planned = plan(spec)
+    output.mkdir(parents=True, exist_ok=True)
+    task_manager = TaskManager(
+        include_path=spec.eval.include_path, include_defaults=spec.eval.include_defaults
+    )
+    eval_key = spec.eval.model_dump()
+    records = []
+    progress = tqdm(planned, desc="sweep", unit="cell")
+    for settings, block in progress:
+        name = cell_id(settings)
+        cell_dir = output / CELLS / name
+        key = fingerprint(str(merged), block, eval_key)
+        done = load_cell(cell_dir)
+        if done is not None and done.get("fingerprint") == key:
+            progress.write(f"{name}: finished earlier, skipped")
+            records.append(done)
+            continue
+        progress.set_postfix_str(name)
+        record = run_cell(spec, merged, cell_dir, settings, block, key, task_manager)
+        scores = ", ".join(f"{t} {s:.1f}" for t, s in record["scores"].items())
+        progress.write(f"{name}: {scores} ({sum(record['seconds'].values()):.0f}s)")
+        records.append(record)
+    return records
+
+
+def load_cell(cell_dir: Path) -> dict[str, Any] | None:
+    path = cell_dir / RESULT
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# --- tables --------------------------------------------------------------------------------
+
+
+def _mean_std(values: Sequence[float], digits: int = 1) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def varied_axes(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Settings that take more than one value over the surgery cells, seed excluded."""
+    surgery = [r for r in records if r["settings"] != BASELINE]
+    keys = list(dict.fromkeys(k for r in surgery for k in r["settings"]))
+    return [
+        k for k in keys if k != stats.SEED and len({str(r["settings"].get(k)) for r in surgery}) > 1
+    ]
+
+
+def config_rows(records: Sequence[Mapping[str, Any]], tasks: Sequence[str]) -> list[dict]:
+    """One row per configuration (seeds pooled): the shape of the paper's ablation tables."""
+    axes = varied_axes(records)
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in records:
+        label = (
+            ("none",)
+            if r["settings"] == BASELINE
+            else tuple(str(r["settings"].get(a)) for a in axes)
+        )
+        groups.setdefault(label, []).append(r)
+    rows = []
+    for label, members in groups.items():
+        baseline = members[0]["settings"] == BASELINE
+        rhos = [statistics.fmean(m["rho_l1"].values()) for m in members if m.get("rho_l1")]
+        rows.append(
+            {
+                "config": {"surgery": "none"} if baseline else dict(zip(axes, label, strict=True)),
+                "seeds": [m["settings"].get(stats.SEED) for m in members],
+                "scores": {t: [m["scores"][t] for m in members] for t in tasks},
+                "avg": [stats.average(m, tasks) for m in members],
+                "rho_l1": rhos,
+            }
+        )
+    return rows
+
+
+def results_markdown(records: Sequence[Mapping[str, Any]], tasks: Sequence[str]) -> str:
+    """Configurations table (Tables 5, 6, 9-13 shape) and per-cell table (Table 14 shape)."""
+    axes = varied_axes(records)
+    header = [*(axes or ["config"]), *tasks, "Avg.", "ρ_L1 (%)"]
+    rows = []
+    for row in config_rows(records, tasks):
+        if row["config"] == BASELINE:
+            label = ["none (no surgery)"] + ["—"] * (max(len(axes), 1) - 1)
+        else:
+            label = list(row["config"].values()) or ["default"]
+        rho = _mean_std([100 * x for x in row["rho_l1"]]) if row["rho_l1"] else "—"
+        rows.append(
+            [*label, *(_mean_std(row["scores"][t]) for t in tasks), _mean_std(row["avg"]), rho]
+        )
+    n_seeds = max((len(r["seeds"]) for r in config_rows(records, tasks)), default=1)
+    parts = [
+        "# Sweep results\n",
+        f"Mean{' ± std over seeds' if n_seeds > 1 else ''}; ρ_L1 averaged over surgery tasks.\n",
+        stats.table(header, rows),
+        "\n## Every cell\n",
+        stats.table(
+            ["cell", *tasks, "Avg.", "ρ_L1 (%)"],
+            [
+                [
+                    r["cell"],
+                    *(f"{r['scores'][t]:.1f}" for t in tasks),
+                    f"{stats.average(r, tasks):.1f}",
+                    f"{100 * statistics.fmean(r['rho_l1'].values()):.1f}" if r["rho_l1"] else "—",
+                ]
+                for r in records
+            ],
+        ),
+    ]
+    correlations = stats.rho_correlations([r for r in records if r["settings"] != BASELINE], tasks)
+    if correlations:
+        parts += ["\n## ρ_L1 vs. task score over cells (Table 3)\n"]
+        parts += [stats.correlation_table(correlations)]
+    return "\n".join(parts) + "\n"
+
+
+def results_csv(records: Sequence[Mapping[str, Any]], tasks: Sequence[str]) -> str:
+    """One line per cell: settings, scores, average, mean rho_L1 (easy to load in pandas)."""
+    import csv
+    import io
+
+    keys = list(dict.fromkeys(k for r in records for k in r["settings"]))
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["cell", *keys, *tasks, "avg", "rho_l1"])
+    for r in records:
+        rho = statistics.fmean(r["rho_l1"].values()) if r["rho_l1"] else math.nan
+        writer.writerow(
+            [
+                r["cell"],
+                *(r["settings"].get(k, "") for k in keys),
+                *(r["scores"][t] for t in tasks),
+                stats.average(r, tasks),
+                rho,
+            ]
+        )
+    return buffer.getvalue()
+
+
+def write_results(
+    output: Path, records: Sequence[Mapping[str, Any]], spec: SweepSpec
+) -> dict[str, Path]:
+    """``results.{md,csv,json}``, the rho-vs-score scatter, and ``stats.md`` when asked."""
+    from .plots import plot_rho_vs_score
+
+    tasks = list(spec.eval.tasks)
+    data = {"tasks": tasks, "axes": varied_axes(records), "cells": list(records)}
+    write_json(output / "results.json", data)
+    written = {"json": output / "results.json"}
+    (output / "results.md").write_text(results_markdown(records, tasks))
+    (output / "results.csv").write_text(results_csv(records, tasks))
+    written |= {"markdown": output / "results.md", "csv": output / "results.csv"}
+    points = {
+        t: [(r["eval_rho"][t], r["scores"][t]) for r in records if r["eval_rho"].get(t) is not None]
+        for t in tasks
+    }
+    if any(points.values()):
+        written["scatter"] = plot_rho_vs_score(
+            {t: p for t, p in points.items() if p}, output / "rho_vs_score.png"
+        )
+    if spec.compare is not None:
+        markdown, comparison = stats.compare_report(
+            data,
+            stats.parse_selector(spec.compare.a),
+            stats.parse_selector(spec.compare.b),
+            spec.compare.unit,
+        )
+        (output / "stats.md").write_text(markdown + "\n")
+        write_json(output / "stats.json", comparison)
+        written["stats"] = output / "stats.md"
+    return written
+
+
+@click.command("sweep")
+@click.argument("spec_path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--output", type=click.Path(path_type=Path), help="Overrides `output:` of the YAML.")
+def sweep_command(spec_path: Path, output: Path | None) -> None:
+    """Run an ablation grid of surgery settings on one merged model and tabulate the scores.
+
+    Finished cells are kept in OUTPUT/cells/<cell>/result.json and skipped when run again.
+    """
+    spec = load_spec(spec_path)
+    output = output or output_dir(spec, spec_path)
+    records = run_sweep(spec, output)
+    written = write_results(output, records, spec)
+    click.echo((output / "results.md").read_text())
+    click.echo("wrote " + ", ".join(str(p) for p in written.values()))

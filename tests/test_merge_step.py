@@ -1,0 +1,382 @@
+"""The post-merge step end to end: the stock `mergekit-yaml` console script (through the startup
+hook) and `mergekit-darts merge|calibrate`, on tiny real models, for every tested merge method;
+plus the resource contract, determinism and failure atomicity of `run_surgery`."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import chdir
+from dataclasses import dataclass
+from pathlib import Path
+
+import mergekit.merge
+import pytest
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from mergekit_darts import load_surgery, run_surgery
+from mergekit_darts.config import SurgeryConfigError
+from mergekit_darts.hook import merge_with_surgery
+from mergekit_darts.pipeline import SurgeryRunError
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def weighted(**extra) -> dict:
+    return {
+        "base_model": "./base",
+        "models": [
+            {"model": "./math", "parameters": {"weight": 0.5, **extra}},
+            {"model": "./code", "parameters": {"weight": 0.5, **extra}},
+        ],
+    }
+
+
+METHODS = {
+    "linear": {"models": weighted()["models"]},
+    "task_arithmetic": weighted(),
+    "ties": weighted(density=0.5),
+    "dare_ties": weighted(density=0.5),
+    "dare_linear": weighted(density=0.5),
+    "breadcrumbs": weighted(density=0.8, gamma=0.05),
+    "della": weighted(density=0.5, epsilon=0.1),
+    "slerp": {
+        "base_model": "./math",
+        "models": [{"model": "./math"}, {"model": "./code"}],
+        "parameters": {"t": 0.5},
+    },
+}
+# Stock flags that must keep working next to the surgery block (mergekit's own options).
+FLAGS = {
+    "ties": ["--lazy-unpickle"],
+    "dare_ties": ["--random-seed", "1"],
+    "dare_linear": ["--random-seed", "1", "--out-shard-size", "1B"],
+    "slerp": ["--allow-crimes", "--copy-tokenizer"],
+}
+VIA_DARTS_CLI = "della"  # the one method run through `mergekit-darts merge`
+
+SURGERY = {
+    "steps": 20,
+    "batch_size": 4,
+    "tasks": [
+        {
+            "name": "math",
+            "target": "./math",
+            "eval_tasks": ["tiny_math"],
+            "calibration": {
+                "path": "data/math.jsonl",
+                "field": "question",
+                "num_samples": 6,
+                "max_length": 24,
+            },
+        },
+        {
+            "name": "code",
+            "target": "./code",
+            "loss": "l1",
+            "calibration": {
+                "path": "data/code.jsonl",
+                "template": "{question}",
+                "num_samples": 6,
+                "max_length": 24,
+                "continuation_tokens": 4,
+            },
+        },
+    ],
+}
+
+
+def merge_yaml(method: str, surgery: dict | None = SURGERY) -> str:
+    config = {"merge_method": method, **METHODS[method], "dtype": "float32"}
+    if surgery is not None:
+        config["surgery"] = surgery
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+@dataclass
+class Run:
+    done: subprocess.CompletedProcess
+    out: Path
+
+    def check(self) -> None:
+        assert self.done.returncode == 0, self.done.stderr[-3000:]
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads((self.out / "surgery" / "manifest.json").read_text())
+
+
+def env(**changes: str) -> dict[str, str]:
+    # One thread per process: two subprocesses share two cores, and torch's default of one
+    # thread per core makes tiny models orders of magnitude slower under contention.
+    base = {k: v for k, v in os.environ.items() if k != "DARTS_NO_HOOK"}
+    return base | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"} | changes
+
+
+@pytest.fixture(scope="module")
+def workdir(tiny_family, calibration_data, tmp_path_factory) -> Path:
+    """A folder laid out like a user's: ./base ./math ./code ./data, YAML paths relative to it."""
+    root = tmp_path_factory.mktemp("work")
+    for name in ("base", "math", "code"):
+        (root / name).symlink_to(getattr(tiny_family, name))
+    shutil.copytree(calibration_data, root / "data")
+    broken = Path(shutil.copytree(tiny_family.code, root / "broken"))
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # config intact, weights unreadable
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(workdir, tiny_merged) -> dict[str, Run]:
+    """Every console-script run of this module, two at a time (they are import-bound)."""
+    jobs: dict[str, tuple[list[str], dict[str, str], Path]] = {}
+
+    def job(name: str, yaml_text: str, command: list[str], **env_changes: str) -> Path:
+        """Queue ``command`` (``merge.yml`` / ``out`` name files of the job's own folder)."""
+        folder = workdir / "runs" / name
+        folder.mkdir(parents=True)
+        (folder / "merge.yml").write_text(yaml_text)
+        named = {"merge.yml": str(folder / "merge.yml"), "out": str(folder / "out")}
+        argv = [str(BIN / command[0]), *(named.get(arg, arg) for arg in command[1:])]
+        jobs[name] = (argv, env(**env_changes), folder / "out")
+        return folder / "out"
+
+    def stale_surgery(out: Path) -> None:
+        (out / "surgery").mkdir(parents=True)
+        (out / "surgery" / "stale.txt").write_text("from an older run")
+
+    yaml_cli = ["mergekit-yaml", "merge.yml", "out"]
+    for method in METHODS:
+        if method != VIA_DARTS_CLI:
+            job(method, merge_yaml(method), yaml_cli + FLAGS.get(method, []))
+    jobs["linear"][1]["DARTS_OVERWRITE_SURGERY"] = "1"  # stock command, explicit overwrite
+    stale_surgery(jobs["linear"][2])
+    darts_cli = ["mergekit-darts", "merge", "merge.yml", "out", "--overwrite-surgery"]
+    stale_surgery(job(VIA_DARTS_CLI, merge_yaml(VIA_DARTS_CLI), darts_cli))
+    job("no_hook", merge_yaml("task_arithmetic"), yaml_cli, DARTS_NO_HOOK="1")
+    job("stock", merge_yaml("ties", surgery=None), yaml_cli)
+    out = job(
+        "calibrate", yaml.safe_dump(SURGERY), ["mergekit-darts", "calibrate", "out", "merge.yml"]
+    )
+    shutil.copytree(tiny_merged, out)
+
+    def launch(name: str) -> tuple[str, Run]:
+        command, environment, out = jobs[name]
+        done = subprocess.run(
+            command, cwd=workdir, env=environment, capture_output=True, text=True, timeout=600
+        )
+        return name, Run(done, out)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(launch, list(jobs)))
+
+
+# ---- the console scripts -------------------------------------------------------------------------
+
+
+def assert_surgery(run: Run) -> None:
+    run.check()
+    manifest = run.manifest
+    assert manifest["format"] == "darts-surgery"
+    assert manifest["hidden_size"] == 64 and manifest["vocab_size"] == 65
+    assert set(manifest["tasks"]) == {"math", "code"}
+    for name, entry in manifest["tasks"].items():
+        assert entry["metrics"]["rho_l1"] > 0, (name, entry["metrics"])
+        assert entry["steps"] == 20 and len(entry["calibration"]["prompt_sha256"]) == 6
+        module = load_surgery(run.out / "surgery", name)
+        assert module.kind == entry["module"] == "pos_corr"
+    assert manifest["tasks"]["code"]["calibration"]["completion_tokens"]
+    assert manifest["tasks"]["math"]["eval_tasks"] == ["tiny_math"]
+    readme = (run.out / "README.md").read_text()
+    assert readme.count("## DARTS surgery") == 1 and "surgery=math" in readme
+    assert not list(run.out.glob(".surgery*")), "no staging folder left behind"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_merge_method(runs, method):
+    run = runs[method]
+    assert_surgery(run)
+    config = yaml.safe_load((run.out / "mergekit_config.yml").read_text())
+    assert config["surgery"] == SURGERY, "the merge YAML keeps its surgery block"
+    surgery_yml = yaml.safe_load((run.out / "surgery" / "surgery.yml").read_text())
+    assert surgery_yml == {"surgery": SURGERY}
+    assert "DARTS surgery" in run.done.stdout and "ρ_L1" in run.done.stdout  # the summary table
+
+
+@pytest.mark.slow
+def test_overwrite_flags_replace_an_old_surgery_folder(runs):
+    for name in (VIA_DARTS_CLI, "linear"):  # --overwrite-surgery; DARTS_OVERWRITE_SURGERY=1
+        assert_surgery(runs[name])
+        assert not (runs[name].out / "surgery" / "stale.txt").exists()
+
+
+@pytest.mark.slow
+def test_no_hook_ignores_the_block(runs):
+    run = runs["no_hook"]
+    run.check()
+    assert (run.out / "model.safetensors").is_file()
+    assert not (run.out / "surgery").exists()
+    assert "DARTS surgery" not in (run.out / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_yaml_without_surgery_is_stock(runs, tmp_path):
+    """With the hook installed, a YAML without `surgery:` gives what stock mergekit gives."""
+    hooked = runs["stock"]
+    hooked.check()
+    source = (hooked.out.parent / "merge.yml").read_text()
+    stock = tmp_path / "out"
+    with chdir(hooked.out.parent.parent.parent):  # the workdir: ./base, ./math, ./code
+        inspect.unwrap(mergekit.merge.run_merge)(
+            MergeConfiguration.model_validate(yaml.safe_load(source)),
+            str(stock),
+            options=MergeOptions(quiet=True),
+            config_source=source,
+        )
+    files = sorted(p.name for p in hooked.out.iterdir())
+    assert files == sorted(p.name for p in stock.iterdir())
+    assert "surgery" not in files
+    for name in files:
+        ours, theirs = (hooked.out / name).read_bytes(), (stock / name).read_bytes()
+        if name == "README.md":  # mergekit lists the models in set order, which may vary
+            ours, theirs = sorted(ours.splitlines()), sorted(theirs.splitlines())
+        assert ours == theirs, name
+
+
+@pytest.mark.slow
+def test_calibrate_an_existing_merge(runs, tiny_merged):
+    run = runs["calibrate"]
+    assert_surgery(run)
+    for name in ("model.safetensors", "config.json", "mergekit_config.yml"):
+        assert (run.out / name).read_bytes() == (tiny_merged / name).read_bytes()
+    assert yaml.safe_load((run.out / "surgery" / "surgery.yml").read_text()) == {"surgery": SURGERY}
+
+
+# ---- run_surgery in process ----------------------------------------------------------------------
+
+
+def absolute(surgery: dict, root: Path) -> dict:
+    """The module's SURGERY block with its paths made absolute (in-process tests keep the cwd)."""
+    block = json.loads(json.dumps(surgery))
+    for entry in block["tasks"]:
+        entry["target"] = str(root / entry["target"])
+        entry["calibration"]["path"] = str(root / entry["calibration"]["path"])
+    return block
+
+
+@pytest.fixture
+def merged_copy(tiny_merged, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+
+
+def test_k_tasks_cost_k_plus_one_loads_one_model_at_a_time(
+    workdir, merged_copy, monkeypatch, capsys
+):
+    block = absolute(SURGERY, workdir)
+    third = json.loads(json.dumps(block["tasks"][0]))
+    third.update(name="math_generated", eval_tasks=["tiny_math_gen"])
+    third["calibration"]["continuation_tokens"] = 4
+    block["tasks"].append(third)
+    loaded: list[str] = []
+    alive: list[weakref.ref] = []
+    original = AutoModelForCausalLM.from_pretrained
+
+    def counting(path, *args, **kwargs):
+        gc.collect()
+        assert not [ref for ref in alive if ref() is not None], "two models in memory at once"
+        loaded.append(Path(path).name)
+        model = original(path, *args, **kwargs)
+        alive.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counting)
+    manifest = run_surgery(merged_copy, block)
+    assert loaded == ["math", "code", "math", "merged"], "targets first, then the merge once"
+    assert set(manifest["tasks"]) == {"math", "code", "math_generated"}
+    table = capsys.readouterr().out
+    assert "math_generated" in table and "ρ_L1" in table
+
+
+def test_same_config_and_seed_give_identical_bytes(workdir, tiny_merged, tmp_path):
+    block = absolute(SURGERY, workdir)
+    outputs = []
+    for name in ("a", "b"):
+        merged = Path(shutil.copytree(tiny_merged, tmp_path / name))
+        run_surgery(merged, block, progress=False)
+        outputs.append(merged / "surgery")
+    files = sorted(p.relative_to(outputs[0]) for p in outputs[0].rglob("*.safetensors"))
+    assert len(files) == 4  # two modules, two diagnostics
+    for file in files:
+        assert (outputs[0] / file).read_bytes() == (outputs[1] / file).read_bytes(), file
+
+
+def test_manifest_and_diagnostics(workdir, merged_copy):
+    manifest = run_surgery(merged_copy, absolute(SURGERY, workdir), progress=False)
+    assert set(manifest["versions"]) == {"mergekit-darts", "mergekit", "torch", "transformers"}
+    assert {"load_merged_s", "total_s"} <= set(manifest["timings"])
+    code = manifest["tasks"]["code"]
+    assert {
+        "load_target_s",
+        "generate_s",
+        "capture_target_s",
+        "capture_merged_s",
+        "train_s",
+    } <= set(code["timings"])
+    metrics = code["metrics"]
+    assert metrics["delta_after"] < metrics["delta_before"]
+    assert metrics["rho_l1"] == pytest.approx(1 - metrics["delta_after"] / metrics["delta_before"])
+    assert len(metrics["loss_curve"]) == 20 and metrics["final_loss"] == metrics["loss_curve"][-1]
+    diag = load_file(merged_copy / "surgery" / code["diagnostics"])
+    real = diag["mask"]
+    rho = 1 - diag["delta_after"][real].sum() / diag["delta_before"][real].sum()
+    assert float(rho) == pytest.approx(metrics["rho_l1"], abs=1e-5)
+    assert int(real.sum()) == metrics["tokens"]
+    assert diag["input_ids"].shape == diag["delta_before"].shape
+
+
+def test_failure_with_overwrite_keeps_the_old_surgery(workdir, merged_copy):
+    run_surgery(merged_copy, absolute(SURGERY, workdir), progress=False)
+    before = {p: p.read_bytes() for p in merged_copy.rglob("*") if p.is_file()}
+    failing = absolute(SURGERY, workdir)
+    failing["tasks"][1]["target"] = str(workdir / "broken")
+    with pytest.raises(SurgeryRunError) as info:
+        run_surgery(merged_copy, failing, overwrite=True, progress=False)
+    assert str(info.value).startswith("surgery task 'code' failed while loading target ")
+    after = {p: p.read_bytes() for p in merged_copy.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_existing_surgery_needs_overwrite(workdir, merged_copy):
+    block = absolute(SURGERY, workdir)
+    run_surgery(merged_copy, block, progress=False)
+    with pytest.raises(SurgeryConfigError, match="already exists: pass --overwrite-surgery"):
+        run_surgery(merged_copy, block, progress=False)
+    run_surgery(merged_copy, block, overwrite=True, progress=False)
+    assert (merged_copy / "README.md").read_text().count("## DARTS surgery") == 1
+
+
+def test_no_copy_tokenizer_is_refused_before_merging(workdir, tmp_path, monkeypatch):
+    monkeypatch.chdir(workdir)
+    source = merge_yaml("linear")
+    with pytest.raises(SurgeryConfigError, match="--no-copy-tokenizer leaves none"):
+        merge_with_surgery(
+            inspect.unwrap(mergekit.merge.run_merge),
+            MergeConfiguration.model_validate(yaml.safe_load(source)),
+            str(tmp_path / "out"),
+            MergeOptions(copy_tokenizer=False, quiet=True),
+            source,
+        )
+    assert not (tmp_path / "out").exists()
