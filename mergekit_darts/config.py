@@ -57,6 +57,10 @@ ModuleKind = Literal[MODULE_KINDS]
 LossName = Literal[LOSSES]
 LossPositions = Literal["all", "completion"]
 CacheDtype = Literal["bfloat16", "float16", "float32"]
+# exact: a target must have the merged model's vocabulary; prefix: it may append tokens after
+# it (WizardMath-7B-V1.0 adds [PAD] as id 32000 to Llama-2's 32000) when every shared token keeps
+# its id, since hidden-state losses never look at the extra rows.
+TargetVocab = Literal["exact", "prefix"]
 
 
 class _Block(BaseModel):
@@ -135,6 +139,7 @@ class SurgeryConfig(_Block):
     device_map: str | None = None
     cache_dtype: CacheDtype = "bfloat16"
     trust_remote_code: StrictBool = False
+    target_vocab: TargetVocab = "exact"
     tasks: list[TaskConfig] = Field(min_length=1)
 
 
@@ -424,12 +429,14 @@ def check_targets(
     *,
     trust_remote_code: bool,
     check_vocab: bool = True,
+    target_vocab: str = "exact",
 ) -> dict[str, str]:
     """Check each target against ``reference`` (the base before merging, the merge after).
 
     Returns each task's resolved target location. With ``check_vocab`` the vocabulary size and
     the tokenizer's token -> id map must match too: calibration feeds one sequence of token ids
-    to both models.
+    to both models. ``target_vocab="prefix"`` accepts a target that only appends tokens, for
+    the hidden-state losses (``kl``/``ce`` compare two distributions over one vocabulary).
     """
     ref_shape = model_shape(reference, reference_label, trust_remote_code=trust_remote_code)
     ref_vocab = _tokenizer_vocab(reference, trust_remote_code) if check_vocab else None
@@ -443,18 +450,25 @@ def check_targets(
                 f"{key}: {task.target} has hidden_size {shape.hidden_size}, the {reference_label} "
                 f"has {ref_shape.hidden_size}; surgery needs targets of the merged architecture"
             )
-        if check_vocab and shape.vocab_size != ref_shape.vocab_size:
+        prefix = target_vocab == "prefix" and task.loss in ("l1", "ewl1")
+        appended = prefix and shape.vocab_size > ref_shape.vocab_size
+        if check_vocab and shape.vocab_size != ref_shape.vocab_size and not appended:
             raise SurgeryConfigError(
-                f"{key}: {task.target} has vocab_size {shape.vocab_size}, the {reference_label} "
-                f"has {ref_shape.vocab_size}; the target must share the merged model's vocabulary"
+                f"{key}: {task.target} has vocab_size {shape.vocab_size}, the "
+                f"{reference_label} has {ref_shape.vocab_size}; the target must share the "
+                "merged model's vocabulary (a target that only appends tokens is accepted "
+                "with surgery.target_vocab: prefix and loss l1 or ewl1)"
             )
-        target_vocab = _tokenizer_vocab(where, trust_remote_code) if check_vocab else None
-        if ref_vocab is not None and target_vocab is not None and target_vocab != ref_vocab:
-            differ = len(set(ref_vocab.items()) ^ set(target_vocab.items()))
-            raise SurgeryConfigError(
-                f"{key}: the tokenizer of {task.target} differs from the {reference_label}'s "
-                f"({differ} token/id pairs differ); calibration feeds the same token ids to both"
-            )
+        tokens = _tokenizer_vocab(where, trust_remote_code) if check_vocab else None
+        if ref_vocab is not None and tokens is not None:
+            shared = {t: tokens.get(t) for t in ref_vocab} if prefix else tokens
+            if shared != ref_vocab:
+                differ = len(set(ref_vocab.items()) ^ set(shared.items()))
+                raise SurgeryConfigError(
+                    f"{key}: the tokenizer of {task.target} differs from the {reference_label}'s "
+                    f"({differ} token/id pairs differ); calibration feeds the same token ids to "
+                    "both"
+                )
         located[task.name] = where
     return located
 

@@ -85,6 +85,7 @@ def merge_with_surgery(
         str(Path(out_path).resolve()),
         f"merged model {out_path}",
         trust_remote_code=prepared.config.trust_remote_code,
+        target_vocab=prepared.config.target_vocab,
     )
     run_prepared(
         out_path,

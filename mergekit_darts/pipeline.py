@@ -93,6 +93,7 @@ def prepare_surgery(
         reference_label,
         trust_remote_code=config.trust_remote_code,
         check_vocab=check_vocab,
+        target_vocab=config.target_vocab,
     )
     prompts = {task.name: load_prompts(task) for task in tasks}
     return PreparedSurgery(block, config, tasks, targets, prompts)
