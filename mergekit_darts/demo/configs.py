@@ -1,0 +1,109 @@
+"""The demo's merge YAMLs: four mergekit methods, each with one `surgery:` block.
+
+One block holds every surgery variant the table compares, as separate tasks with overrides
+(`code` = DARTS, `code_std` = Standard + L1, `_cont` = calibrated on the target's own
+completions), so a single stock `mergekit-yaml` run per method produces all of them.
+Paths are written relative to the working directory, the way mergekit resolves `model:`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .domains import DOMAIN_NAMES
+
+# method -> per-expert parameters, and whether the method takes the base model (linear does not)
+METHODS: dict[str, tuple[dict[str, float], bool]] = {
+    "task_arithmetic": ({"weight": 0.5}, True),
+    "linear": ({"weight": 1.0}, False),  # plain average of the experts (mergekit normalises)
+    "ties": ({"weight": 0.5, "density": 0.7}, True),
+    "dare_ties": ({"weight": 0.5, "density": 0.7}, True),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One surgery setting of the table: a task-name suffix plus its overrides."""
+
+    label: str
+    suffix: str
+    overrides: dict[str, Any]
+    continuation_tokens: int = 0
+
+
+CONTINUATION_TOKENS = 32
+VARIANTS: tuple[Variant, ...] = (
+    Variant("Standard + L1 (Yang et al.)", "_std", {"module": "standard", "loss": "l1"}),
+    Variant("DARTS (pos_corr + EWL1)", "", {}),
+    Variant(
+        "Standard + L1, +completions",
+        "_std_cont",
+        {"module": "standard", "loss": "l1"},
+        CONTINUATION_TOKENS,
+    ),
+    Variant("DARTS, +completions", "_cont", {}, CONTINUATION_TOKENS),
+)
+
+
+def surgery_task(domain: str) -> str:
+    """Surgery task name serving the lm-eval task `demo_<domain>` under `surgery=auto`."""
+    return domain
+
+
+def lm_eval_task(domain: str) -> str:
+    return f"demo_{domain}"
+
+
+def _rel(path: Path) -> str:
+    return os.path.relpath(path)
+
+
+def merge_config(
+    method: str,
+    base: Path,
+    experts: dict[str, Path],
+    calib_files: dict[str, Path],
+    steps: int = 500,
+) -> dict[str, Any]:
+    """The full merge YAML (as a dict) of one method, surgery block included."""
+    parameters, uses_base = METHODS[method]
+    config: dict[str, Any] = {"merge_method": method}
+    if uses_base:
+        config["base_model"] = _rel(base)
+    config["models"] = [
+        {"model": _rel(experts[d]), "parameters": dict(parameters)} for d in DOMAIN_NAMES
+    ]
+    config["dtype"] = "float32"
+    config["surgery"] = {"steps": steps, "tasks": _surgery_tasks(experts, calib_files)}
+    return config
+
+
+def _surgery_tasks(experts: dict[str, Path], calib_files: dict[str, Path]) -> list[dict[str, Any]]:
+    tasks = []
+    for variant in VARIANTS:
+        for domain in DOMAIN_NAMES:
+            calibration: dict[str, Any] = {"path": _rel(calib_files[domain]), "field": "prompt"}
+            if variant.continuation_tokens:
+                calibration["continuation_tokens"] = variant.continuation_tokens
+            tasks.append(
+                {
+                    "name": surgery_task(domain) + variant.suffix,
+                    "target": _rel(experts[domain]),
+                    # only DARTS answers `surgery=auto`; the others are chosen by surgery_map
+                    "eval_tasks": [lm_eval_task(domain)] if variant.suffix == "" else [],
+                    "calibration": calibration,
+                    **variant.overrides,
+                }
+            )
+    return tasks
+
+
+def write_config(config: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

@@ -1,0 +1,89 @@
+"""The demo family builds, caches, is deterministic, and its artifacts load offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mergekit_darts.demo import FamilyPaths, build_family
+from mergekit_darts.demo import family as family_module
+from mergekit_darts.demo.domains import DOMAIN_NAMES
+
+
+@pytest.fixture(scope="module")
+def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> FamilyPaths:
+    return build_family(tmp_path_factory.mktemp("family"), seed=0, scale="tiny", progress=False)
+
+
+def _records(path: Path) -> list[dict[str, str]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_all_artifacts_exist(tiny_family: FamilyPaths) -> None:
+    assert set(tiny_family.experts) == set(DOMAIN_NAMES)
+    for folder in [tiny_family.base, *tiny_family.experts.values()]:
+        for name in ("model.safetensors", "config.json", "tokenizer.json"):
+            assert (folder / name).is_file(), folder / name
+        assert not list(folder.glob("*.bin")), "weights must be safetensors only"
+    for domain in DOMAIN_NAMES:
+        assert tiny_family.calib_file(domain).is_file()
+        assert tiny_family.eval_file(domain).is_file()
+    assert (tiny_family.root / "family.json").is_file()
+
+
+def test_models_and_tokenizer_load(tiny_family: FamilyPaths) -> None:
+    for folder in [tiny_family.base, *tiny_family.experts.values()]:
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert model.config.hidden_size == 128
+        assert model.config.max_position_embeddings >= 512
+        assert not model.config.tie_word_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(tiny_family.base)
+    for domain in DOMAIN_NAMES:
+        for record in _records(tiny_family.eval_file(domain)):
+            text = f"{record['prompt']} {record['answer']}"
+            ids = tokenizer(text)["input_ids"]
+            assert tokenizer.unk_token_id not in ids
+            assert tokenizer.decode(ids) == text
+
+
+def test_splits_are_disjoint(tiny_family: FamilyPaths) -> None:
+    for domain in DOMAIN_NAMES:
+        calib = [r["prompt"] for r in _records(tiny_family.calib_file(domain))]
+        evals = _records(tiny_family.eval_file(domain))
+        assert len(calib) == len(set(calib)) == 50
+        assert len(evals) == len({r["prompt"] for r in evals}) == 100
+        assert all(r["answer"] for r in evals)
+        assert not set(calib) & {r["prompt"] for r in evals}
+
+
+def test_task_yamls_point_at_eval_data(tiny_family: FamilyPaths) -> None:
+    for domain in DOMAIN_NAMES:
+        task = yaml.safe_load((tiny_family.tasks / f"demo_{domain}.yaml").read_text())
+        assert task["task"] == f"demo_{domain}"
+        assert task["output_type"] == "generate_until"
+        data_file = Path(task["dataset_kwargs"]["data_files"]["test"])
+        assert data_file.is_absolute()
+        assert data_file == tiny_family.eval_file(domain)
+
+
+def test_second_build_is_a_cache_hit(
+    tiny_family: FamilyPaths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("cached family was retrained")
+
+    monkeypatch.setattr(family_module, "_train_family", no_training)
+    again = build_family(tiny_family.root, seed=0, scale="tiny", progress=False)
+    assert again == tiny_family
+
+
+def test_build_is_deterministic(tiny_family: FamilyPaths, tmp_path: Path) -> None:
+    other = build_family(tmp_path, seed=0, scale="tiny", progress=False)
+    for domain in DOMAIN_NAMES:
+        weights = tiny_family.experts[domain] / "model.safetensors"
+        assert (other.experts[domain] / "model.safetensors").read_bytes() == weights.read_bytes()
+        assert other.eval_file(domain).read_text() == tiny_family.eval_file(domain).read_text()

@@ -1,0 +1,88 @@
+"""The main job end to end on the tiny scale: stock mergekit-yaml + hf-darts + table + figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from mergekit_darts.demo.configs import METHODS, VARIANTS, merge_config
+from mergekit_darts.demo.domains import DOMAIN_NAMES
+from mergekit_darts.demo.run import DemoSettings, markdown_table, run_demo
+
+
+@pytest.mark.slow
+def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the YAMLs hold cwd-relative paths, like mergekit's `model:`
+    settings = DemoSettings(
+        out=tmp_path / "demo", scale="tiny", methods=("task_arithmetic",), steps=5, limit=3
+    )
+    results = run_demo(settings)
+    out = settings.out
+    labels = [row["label"] for row in results["rows"]]
+    assert labels == [
+        "Base",
+        *(f"Expert: {d}" for d in DOMAIN_NAMES),
+        "None (merged)",
+        *(v.label for v in VARIANTS),
+    ]
+    for row in results["rows"]:
+        assert set(row["scores"]) == set(DOMAIN_NAMES)
+        assert all(0 <= s <= 100 for s in row["scores"].values())
+    surgery_rows = results["rows"][-len(VARIANTS) :]
+    assert all(set(row["rho"]) == set(DOMAIN_NAMES) for row in surgery_rows)
+    table = (out / "table.md").read_text()
+    assert all(label in table for label in labels)
+    assert json.loads((out / "results.json").read_text())["rows"] == results["rows"]
+    manifest = json.loads((out / "merges/task_arithmetic/surgery/manifest.json").read_text())
+    assert len(manifest["tasks"]) == len(VARIANTS) * len(DOMAIN_NAMES)
+    for domain in DOMAIN_NAMES:
+        for kind in ("delta_heatmap", "delta_by_position"):
+            png = out / "figures" / f"task_arithmetic_{domain}_{kind}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a second run is served from the caches and gives the same table
+    again = run_demo(settings)
+    assert again["rows"] == results["rows"]
+
+
+def test_every_method_yaml_is_a_valid_merge_config(tmp_path):
+    from mergekit.config import MergeConfiguration
+
+    from mergekit_darts.config import parse_surgery
+
+    experts = {d: tmp_path / d for d in DOMAIN_NAMES}
+    calib = {d: tmp_path / f"{d}.jsonl" for d in DOMAIN_NAMES}
+    for method in METHODS:
+        config = merge_config(method, tmp_path / "base", experts, calib)
+        surgery = config.pop("surgery")
+        MergeConfiguration.model_validate(yaml.safe_load(yaml.safe_dump(config)))
+        parsed = parse_surgery(surgery)
+        assert len(parsed.tasks) == len(VARIANTS) * len(DOMAIN_NAMES)
+
+
+def test_markdown_table_layout():
+    from mergekit_darts.demo.run import Row
+
+    rows = [
+        Row("m", "None", {d: 10.0 for d in DOMAIN_NAMES}),
+        Row("m", "DARTS", {d: 20.0 for d in DOMAIN_NAMES}, {d: 0.5 for d in DOMAIN_NAMES}),
+    ]
+    lines = markdown_table(rows).splitlines()
+    assert lines[2].startswith("| m | None | 10.0 | 10.0 | 10.0 | 10.0 |")
+    assert lines[3] == "|  | DARTS | 20.0 | 20.0 | 20.0 | 20.0 | 0.500 |"
+
+
+def test_examples_demo_match_what_the_driver_writes(monkeypatch):
+    from pathlib import Path
+
+    from mergekit_darts.demo.configs import merge_config
+    from mergekit_darts.demo.family import _family_paths
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)  # `make demo` runs from the repository root
+    family = _family_paths((repo / "runs/demo/family").resolve())
+    calib = {d: family.calib_file(d) for d in DOMAIN_NAMES}
+    for method in METHODS:
+        expected = merge_config(method, family.base, family.experts, calib)
+        assert yaml.safe_load((repo / f"examples/demo/{method}.yml").read_text()) == expected
