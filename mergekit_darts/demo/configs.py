@@ -1,7 +1,7 @@
 """The demo's merge YAMLs: four mergekit methods, each with one `surgery:` block.
 
 One block holds every surgery variant the table compares, as separate tasks with overrides
-(`code` = DARTS, `code_std` = Standard + L1, `_cont` = calibrated on the target's own
+(`code` = DARTS, `code_std` = Standard + L1, `code_pos_l1` = pos_corr + L1, `_cont` = calibrated on the target's own
 completions), so a single stock `mergekit-yaml` run per method produces all of them.
 Paths are written relative to the working directory, the way mergekit resolves `model:`.
 """
@@ -39,6 +39,7 @@ class Variant:
 CONTINUATION_TOKENS = 32
 VARIANTS: tuple[Variant, ...] = (
     Variant("Standard + L1 (Yang et al.)", "_std", {"module": "standard", "loss": "l1"}),
+    Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", {"loss": "l1"}),
     Variant("DARTS (pos_corr + EWL1)", "", {}),
     Variant(
         "Standard + L1, +completions",
