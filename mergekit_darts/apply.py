@@ -111,12 +111,16 @@ class SurgeryHandle:
             raise RuntimeError("surgery could not find the token positions of this forward call")
         h = args[0]
         positions = slice_logits_to_keep(self._positions.unsqueeze(-1), self._logits_to_keep)
-        module = self._module.to(h.device)  # a no-op after the first call; accelerate may
-        # have put the head on any device
+        module = self._module
+        if module.down.weight.device != h.device:  # accelerate may put the head anywhere;
+            module = self._module = module.to(h.device)  # checked cheaply: this runs per token
+        positions = positions.squeeze(-1).to(h.device)
+        if not torch.is_autocast_enabled(h.device.type):
+            return (module(h, positions), *args[1:])
         # float32 even under autocast (lm-eval's mixed_precision_dtype), which would otherwise
         # run the module's Linear layers in half precision
         with torch.autocast(h.device.type, enabled=False):
-            return (module(h, positions.squeeze(-1).to(h.device)), *args[1:])
+            return (module(h, positions), *args[1:])
 
     def remove(self) -> None:
         for handle in self._handles:

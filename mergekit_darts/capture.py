@@ -55,6 +55,23 @@ def input_device(model: nn.Module) -> torch.device:
     return device if isinstance(device, torch.device) else next(model.parameters()).device
 
 
+ENTROPY_CHUNK = 64  # positions per token_entropy call: its float32 temporaries are [64, V]
+
+
+def _store_entropy(
+    entropy: torch.Tensor, start: int, width: int, logits: torch.Tensor, device: torch.device | str
+) -> None:
+    """Entropy of each row's next-token distributions, ``ENTROPY_CHUNK`` positions at a time.
+
+    ``token_entropy`` makes about three float32 temporaries the size of its input; chunking keeps
+    them at [64, V] (25 MB at V = 32000) instead of [T, V] (200 MB at T = 512).
+    """
+    for i, row_logits in enumerate(logits):
+        for j in range(0, width, ENTROPY_CHUNK):
+            chunk = row_logits[j : j + ENTROPY_CHUNK]
+            entropy[start + i, j : j + chunk.shape[0]] = token_entropy(chunk).to(device)
+
+
 @torch.no_grad()  # not inference_mode: the cached tensors feed training
 def capture(
     model: nn.Module,
@@ -106,8 +123,12 @@ def capture(
             hidden[rows, :t] = seen[0].to(device=cache_device, dtype=cache_dtype)
             mask[rows, :t] = attn.to(device=cache_device, dtype=torch.bool)
             if out is not None:
-                for i, row_logits in enumerate(out.logits):  # one row at a time: [T, V] float32
-                    entropy[start + i, :t] = token_entropy(row_logits).to(cache_device)
+                _store_entropy(entropy, start, t, out.logits, cache_device)
+            # Drop this batch's logits and hidden state now: held over (by ``out``, or by a loop
+            # variable viewing a row of them) they would coexist with the next batch's, two
+            # batches of logits at the peak instead of one.
+            del out
+            seen.clear()
     finally:
         handle.remove()
     hidden[~mask] = 0

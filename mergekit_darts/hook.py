@@ -17,8 +17,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .config import SurgeryConfigError, surgery_block
-
 OVERWRITE_ENV = "DARTS_OVERWRITE_SURGERY"  # the overwrite flag for the stock mergekit-yaml
 
 
@@ -52,10 +50,12 @@ def merge_with_surgery(
     The block, its files and its targets are checked against the merge's base model before
     ``run_merge`` starts. ``overwrite=None`` reads ``DARTS_OVERWRITE_SURGERY``.
     """
+    # imported here, not at the top: install() runs on every `mergekit-yaml --help`
+    from .config import SurgeryConfigError, check_targets, surgery_block
+
     block = surgery_block(config_source)
     if block is None:
         return run_merge(merge_config, out_path, options=options, config_source=config_source)
-    from .config import check_targets
     from .pipeline import prepare_surgery, run_prepared
 
     if overwrite is None:

@@ -1,0 +1,476 @@
+"""Calibration cost (paper Table 8) and the baselines it is judged against.
+
+Every function whose name starts with ``phase_`` runs in its own spawned interpreter (see
+:func:`benchmarks.measure.run_isolated`), so its peak memory is its own. The Table 8 numbers come
+from the real post-merge step, :func:`mergekit_darts.pipeline.run_surgery`, with its three phases
+wrapped by a peak-memory tracker; the baselines (bare forward passes, a bare Adam loop, both
+models loaded at once) use the same token sequences, batch size and cache dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .fixtures import model_file_bytes
+from .measure import PeakTracker, alternate, clock, cuda_sync, paired_ratio
+
+CACHE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def quiet() -> None:
+    """No progress bars or info logs from the libraries inside a measured process."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def warm_imports() -> None:
+    """Import what loading a Llama pulls in lazily, so it is not counted as a phase's memory."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+
+def load(path: str, device: str) -> Any:
+    """Load a model the way the pipeline does: saved dtype, on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype="auto", device_map=device).eval()
+
+
+def cache_bytes(n: int, width: int, hidden: int, cache_dtype: str = "bfloat16") -> int:
+    """The two captures' tensors: hidden states [N,T,H] twice, masks [N,T] twice, entropy [N,T]."""
+    return n * width * (2 * hidden * CACHE_DTYPE_BYTES[cache_dtype] + 2 + 4)
+
+
+# ---- the real pipeline, one task -----------------------------------------------------------------
+
+
+@contextmanager
+def _instrumented(pipeline: Any, tracker: PeakTracker) -> Iterator[None]:
+    """Wrap the pipeline's phases (those it still has) so each gets its own peak; undo after."""
+    originals = {}
+    for name in ("_target_phase", "_merged_phase", "_train_phase"):
+        original = getattr(pipeline, name, None)
+        if original is None:
+            continue
+        originals[name] = original
+
+        def wrapped(*args: Any, _original: Callable = original, _name: str = name, **kw: Any):
+            with tracker.phase(_name.strip("_").removesuffix("_phase")):
+                return _original(*args, **kw)
+
+        setattr(pipeline, name, wrapped)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(pipeline, name, original)
+
+
+def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str, Any]:
+    """Run ``run_surgery`` for one task and return Table 8's rows for it."""
+    quiet()
+    import time
+
+    from safetensors.torch import load_file
+
+    from mergekit_darts import pipeline
+
+    warm_imports()
+    task = block["tasks"][0]["name"]
+    tracker = PeakTracker(cuda=device.startswith("cuda"))
+    with _instrumented(pipeline, tracker):
+        started, cpu_started = time.perf_counter(), time.process_time()
+        manifest = pipeline.run_surgery(
+            merged, block, overwrite=True, progress=False, write_card=False
+        )
+        wall = time.perf_counter() - started
+        cpu = time.process_time() - cpu_started
+    memory = tracker.finish()
+    entry = manifest["tasks"][task]
+    folder = Path(merged) / "surgery"
+    module_file = folder / entry["file"]
+    params = sum(t.numel() for t in load_file(module_file).values())
+    diagnostics = load_file(folder / entry["diagnostics"])
+    n, width = diagnostics["mask"].shape
+    timings = entry["timings"]
+    load_merged = manifest["timings"]["load_merged_s"]
+    return {
+        "module": entry["module"],
+        "load_merged_s": load_merged,
+        "load_target_s": timings["load_target_s"],
+        "capture_merged_s": timings["capture_merged_s"],
+        "capture_target_s": timings["capture_target_s"],
+        "precompute_s": timings["capture_merged_s"] + timings["capture_target_s"],
+        "train_s": timings["train_s"],
+        "total_s": wall,
+        "total_cpu_s": cpu,
+        "manifest_total_s": manifest["timings"]["total_s"],
+        "memory": memory,
+        "n": int(n),
+        "width": int(width),
+        "tokens": int(diagnostics["mask"].sum()),
+        "hidden": int(manifest["hidden_size"]),
+        "cache_bytes": cache_bytes(int(n), int(width), int(manifest["hidden_size"])),
+        "params": int(params),
+        "file_bytes": module_file.stat().st_size,
+        "rho_l1": entry["metrics"]["rho_l1"],
+        "model_bytes": max(model_file_bytes(merged), model_file_bytes(block["tasks"][0]["target"])),
+    }
+
+
+# ---- peak memory of the alternatives -------------------------------------------------------------
+
+
+def phase_naive(
+    merged: str, target: str, sequences: list[list[int]], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """The paper's way: merged and target loaded together, then the same two captures.
+
+    Training is left out: it adds a few MB at most (see the pipeline's train phase), and the
+    peak of this approach is in the captures.
+    """
+    quiet()
+    import torch
+
+    from mergekit_darts.capture import capture
+
+    warm_imports()
+    device = settings["device"]
+    tracker = PeakTracker(cuda=device.startswith("cuda"))
+    with tracker.phase("load_both"):
+        models = load(merged, device), load(target, device)
+    with tracker.phase("precompute"):
+        common = dict(
+            batch_size=settings["batch_size"],
+            cache_device=device,
+            cache_dtype=torch.bfloat16,
+            pad_id=settings["pad_id"],
+            progress=False,
+        )
+        kept = [capture(models[0], sequences, **common)]  # both caches stay, as for training
+        kept.append(capture(models[1], sequences, with_entropy=True, **common))
+    return tracker.finish()
+
+
+def phase_capture_memory(
+    path: str, sequences: list[list[int]], with_entropy: bool, device: str, batch_size: int
+) -> dict[str, Any]:
+    """Peak growth of one capture (entropy or not) over the loaded model, in a fresh process."""
+    quiet()
+    import torch
+
+    from mergekit_darts.capture import capture
+
+    warm_imports()
+    model = load(path, device)
+    tracker = PeakTracker(cuda=device.startswith("cuda"))
+    with tracker.phase("capture") as record:
+        captured = capture(
+            model,
+            sequences,
+            batch_size=batch_size,
+            with_entropy=with_entropy,
+            cache_dtype=torch.bfloat16,
+            cache_device=device,
+            progress=False,
+        )
+        record["cache_bytes"] = captured.nbytes
+    return tracker.finish()
+
+
+# ---- time baselines ------------------------------------------------------------------------------
+
+
+def bare_passes(models: tuple[Any, ...], sequences: list[list[int]], batch_size: int, pad: int):
+    """The floor for precompute: each model's plain forward over the same padded batches."""
+    import torch
+
+    from mergekit_darts.capture import input_device, pad_batch
+
+    with torch.no_grad():
+        for model in models:
+            device = input_device(model)
+            for start in range(0, len(sequences), batch_size):
+                ids, mask = pad_batch(sequences[start : start + batch_size], pad)
+                model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+
+
+def bare_adam_loop(module: Any, merged: Any, target: Any, steps: int, batch_size: int, seed: int):
+    """The floor for training: forward, ewl1, backward, Adam step on the cached tensors.
+
+    Same batches in the same order as ``train_surgery``; no per-batch cropping, no checks, no
+    loss logging, no final evaluation.
+    """
+    import torch
+
+    from mergekit_darts import losses
+    from mergekit_darts.train import _epoch_batches, positions_of
+
+    device = merged.hidden.device
+    module = module.to(device=device, dtype=torch.float32).train()
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3, betas=(0.9, 0.999))
+    positions = positions_of(merged.mask)
+    batches = _epoch_batches(
+        merged.hidden.shape[0], batch_size, torch.Generator().manual_seed(seed)
+    )
+    for _ in range(steps):
+        rows = next(batches).to(device)
+        h_hat = module(merged.hidden[rows].float(), positions[rows])
+        loss = losses.ewl1(
+            h_hat, target.hidden[rows].float(), target.entropy[rows], merged.mask[rows]
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return module
+
+
+def _time(fn: Callable[[], Any], sync: Callable[[], None] | None) -> float:
+    now = clock()
+    started = now()
+    fn()
+    if sync:
+        sync()
+    return now() - started
+
+
+def phase_time_baselines(
+    merged: str, target: str, sequences: list[list[int]], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Precompute vs two bare passes, and training vs a bare Adam loop, interleaved."""
+    quiet()
+    import torch
+
+    from mergekit_darts import build_module
+    from mergekit_darts.capture import capture
+    from mergekit_darts.train import TrainSettings, evaluate, train_surgery
+
+    device, batch, repeats = settings["device"], settings["batch_size"], settings["repeats"]
+    steps, pad = settings["steps"], settings["pad_id"]
+    models = load(merged, device), load(target, device)
+    common = dict(batch_size=batch, cache_device=device, pad_id=pad, progress=False)
+    held: dict[str, Any] = {}
+
+    def precompute() -> None:
+        held["merged"] = capture(models[0], sequences, cache_dtype=torch.bfloat16, **common)
+        held["target"] = capture(
+            models[1], sequences, with_entropy=True, cache_dtype=torch.bfloat16, **common
+        )
+
+    sync = cuda_sync(device)
+    bare_passes(models, sequences[:batch], batch, pad)  # warm-up: first-call allocations
+    precompute_times = alternate(
+        {
+            "precompute": precompute,
+            "bare_passes": lambda: bare_passes(models, sequences, batch, pad),
+        },
+        repeats,
+        sync,
+    )
+    result: dict[str, Any] = {
+        "precompute": paired_ratio(precompute_times, "precompute", "bare_passes")
+    }
+    hidden = held["merged"].hidden.shape[-1]
+    train_settings = TrainSettings(steps=steps, batch_size=batch)
+    for kind in settings["kinds"]:
+        final_eval: list[float] = []
+
+        def ours(kind: str = kind, final_eval: list[float] = final_eval) -> None:
+            module = build_module(kind, hidden, settings["rank"], settings["max_positions"], seed=0)
+            out = train_surgery(
+                module,
+                held["merged"],
+                held["target"],
+                train_settings,
+                device=device,
+                progress=False,
+            )
+            merged_cap, target_cap = held["merged"], held["target"]
+            final_eval.append(
+                _time(lambda: evaluate(out.module, merged_cap, target_cap, merged_cap.mask), sync)
+            )
+
+        def bare(kind: str = kind) -> None:
+            module = build_module(kind, hidden, settings["rank"], settings["max_positions"], seed=0)
+            bare_adam_loop(module, held["merged"], held["target"], steps, batch, seed=0)
+
+        times = alternate({"train_surgery": ours, "bare_adam": bare}, repeats, sync)
+        call = paired_ratio(times, "train_surgery", "bare_adam")
+        # The loop alone: train_surgery ends with one evaluation over every token, timed again
+        # right after each call with the same clock and taken off.
+        times["train_loop"] = [
+            t - e for t, e in zip(times.pop("train_surgery"), final_eval, strict=True)
+        ]
+        loop = paired_ratio(times, "train_loop", "bare_adam")
+        result[f"train_{kind}"] = {**loop, "call_ratio": call["ratio"]}
+    return result
+
+
+# ---- the whole section ---------------------------------------------------------------------------
+
+
+def ratio(value: float, target: float | None, better: str = "lower") -> dict[str, Any]:
+    """A ratio with its target and whether it was met (None when there is no target)."""
+    met = None
+    if target is not None and math.isfinite(value):
+        met = value <= target if better == "lower" else value >= target
+    return {"value": value, "target": target, "better": better, "met": met}
+
+
+def memory_ratios(task: dict[str, Any], naive: dict[str, Any], logits_bytes: int) -> dict[str, Any]:
+    """Peak memory growth over (largest single model + cache), ours and the naive way."""
+    key = "peak_cuda" if task["memory"].get("peak_cuda") else "peak_rss_growth"
+    floor = task["model_bytes"] + task["cache_bytes"]
+    return {
+        "excess_over_model_cache_bytes": task["memory"][key] - floor,
+        "peak_over_model_cache": task["memory"][key] / floor,
+        "peak_over_model_cache_logits": task["memory"][key] / (floor + logits_bytes),
+        "naive_over_model_cache": naive[key] / floor,
+        "key": key,
+        "floor_bytes": floor,
+    }
+
+
+def shadow_model(source: str, folder: Path) -> str:
+    """A folder of symlinks to ``source``'s files, so ``surgery/`` is written there, not in the
+    user's checkpoint."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in Path(source).resolve().iterdir():
+        link = folder / item.name
+        if item.is_file() and not link.exists():
+            link.symlink_to(item)
+    return str(folder)
+
+
+def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) -> dict[str, Any]:
+    """Table 8 for each module kind, the memory comparisons, and the time baselines."""
+    from transformers import AutoTokenizer
+
+    from mergekit_darts.data import tokenize_prompts
+
+    from .fixtures import calibration_texts, surgery_block, write_jsonl
+    from .measure import run_isolated
+
+    tokenizer = AutoTokenizer.from_pretrained(pair.merged)
+    texts = calibration_texts(tokenizer, settings.n, settings.max_length)
+    calib = write_jsonl(workdir / "calibration.jsonl", texts)
+    sequences = tokenize_prompts(
+        tokenizer, texts, max_length=settings.max_length, chat_template=False, key="bench"
+    )
+    pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    view = settings.subprocess_view() | {"pad_id": pad}
+    merged = shadow_model(pair.merged, workdir / "merged")
+    tasks = {}
+    for kind in settings.kinds:
+        tick(f"calibration: run_surgery, {kind}")
+        block = surgery_block(
+            task="bench",
+            target=pair.target,
+            calibration=str(calib),
+            module=kind,
+            n=settings.n,
+            max_length=settings.max_length,
+            rank=settings.rank,
+            max_positions=settings.max_positions,
+            steps=settings.steps,
+            batch_size=settings.batch_size,
+            device=settings.device,
+        )
+        tasks[kind] = run_isolated(
+            phase_pipeline, merged, block, settings.device, isolate=settings.isolate
+        )
+    tick("calibration: target capture memory, with entropy")
+    with_entropy = run_isolated(
+        phase_capture_memory,
+        pair.target,
+        sequences,
+        True,
+        settings.device,
+        settings.batch_size,
+        isolate=settings.isolate,
+    )
+    tick("calibration: target capture memory, hidden states only")
+    hidden_only = run_isolated(
+        phase_capture_memory,
+        pair.target,
+        sequences,
+        False,
+        settings.device,
+        settings.batch_size,
+        isolate=settings.isolate,
+    )
+    tick("calibration: naive, both models loaded")
+    naive = run_isolated(
+        phase_naive, pair.merged, pair.target, sequences, view, isolate=settings.isolate
+    )
+    tick("calibration: time baselines (bare passes, bare Adam loop)")
+    baselines = run_isolated(
+        phase_time_baselines, pair.merged, pair.target, sequences, view, isolate=settings.isolate
+    )
+    return summarise(tasks, with_entropy, hidden_only, naive, baselines, settings, len(tokenizer))
+
+
+def summarise(
+    tasks: dict[str, Any],
+    with_entropy: dict[str, Any],
+    hidden_only: dict[str, Any],
+    naive: dict[str, Any],
+    baselines: dict[str, Any],
+    settings: Any,
+    vocab: int,
+) -> dict[str, Any]:
+    first = next(iter(tasks.values()))
+    n, width = first["n"], first["width"]
+    dtype_bytes = CACHE_DTYPE_BYTES.get(settings.model.dtype, 4)
+    logits_batch = min(settings.batch_size, n) * width * vocab * dtype_bytes
+    growth = "peak_cuda_growth" if settings.device.startswith("cuda") else "peak_rss_growth"
+    entropy_extra = (
+        with_entropy["phases"]["capture"][growth] - hidden_only["phases"]["capture"][growth]
+    )
+    ntv = n * width * vocab * 4
+    entropy = {
+        "vocab": vocab,
+        "capture_with_entropy_growth": with_entropy["phases"]["capture"][growth],
+        "capture_hidden_only_growth": hidden_only["phases"]["capture"][growth],
+        "entropy_extra_bytes": entropy_extra,
+        "ntv_float32_bytes": ntv,
+        "one_batch_logits_bytes": logits_batch,
+    }
+    ratios: dict[str, Any] = {
+        "precompute / 2 bare forward passes": ratio(baselines["precompute"]["ratio"], 1.3),
+    }
+    for kind in tasks:
+        ratios[f"training loop / bare Adam loop ({kind})"] = ratio(
+            baselines[f"train_{kind}"]["ratio"], 1.2
+        )
+    for kind, task in tasks.items():
+        mem = memory_ratios(task, naive, logits_batch)
+        task["memory_ratios"] = mem
+        ratios[f"peak memory / (largest model + cache) ({kind})"] = ratio(
+            mem["peak_over_model_cache"], 1.2
+        )
+        ratios[f"peak memory / (model + cache + one batch of logits) ({kind})"] = ratio(
+            mem["peak_over_model_cache_logits"], 1.2
+        )
+    ratios["naive both-loaded peak / (largest model + cache)"] = ratio(
+        next(iter(tasks.values()))["memory_ratios"]["naive_over_model_cache"], None
+    )
+    ratios[f"entropy memory / N*T*V float32 tensor (V={vocab})"] = ratio(
+        max(entropy_extra, 1) / ntv, 1.0
+    )
+    return {
+        "tasks": tasks,
+        "entropy": entropy,
+        "naive": naive,
+        "baselines": baselines,
+        "ratios": ratios,
+    }

@@ -1,0 +1,75 @@
+"""Smoke test of the benchmarks at a minuscule size: structure and sane ratios, no timing asserts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+from benchmarks.runner import run_all
+from benchmarks.settings import tiny_settings
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    settings = tiny_settings(results=str(root / "results"), workdir=str(root / "work"))
+    found = run_all(settings)
+    return found, report.write(found, settings.results)
+
+
+def test_every_section_reports(results):
+    found, _ = results
+    for section in ("machine", "settings", "calibration", "inference", "startup", "scaling"):
+        assert section in found, section
+    tasks = found["calibration"]["tasks"]
+    assert set(tasks) == {"standard", "pos_corr"}
+    for task in tasks.values():
+        for key in ("load_merged_s", "load_target_s", "precompute_s", "train_s", "total_s"):
+            assert task[key] >= 0, key
+        assert task["params"] > 0 and task["file_bytes"] > 0 and task["cache_bytes"] > 0
+        assert task["memory"]["peak_rss"] > 0
+    assert tasks["pos_corr"]["params"] > tasks["standard"]["params"]
+    assert {r["axis"] for r in found["scaling"]["rows"]} == {"N", "T", "rank", "H"}
+
+
+def test_every_ratio_is_finite_and_positive(results):
+    found, _ = results
+    ratios = found["ratios"]
+    expected = (
+        "precompute / 2 bare forward passes",
+        "training loop / bare Adam loop (pos_corr)",
+        "peak memory / (largest model + cache) (standard)",
+        "naive both-loaded peak / (largest model + cache)",
+        "hf-darts / hf tokens/s, loglikelihood, H=64",
+        "hf-darts / hf tokens/s, generate_until, H=64",
+        "startup hook cost, ms (python -c pass)",
+    )
+    for name in expected:
+        assert any(key.startswith(name) for key in ratios), name
+    for name, entry in ratios.items():
+        assert math.isfinite(entry["value"]) and entry["value"] > 0, (name, entry)
+        assert entry["met"] in (True, False, None)
+    for point in found["inference"]["points"]:
+        for key in ("raw_forward_ratio", "raw_generate_ratio"):
+            assert math.isfinite(point[key]) and point[key] > 0
+
+
+def test_outputs_are_written(results):
+    found, written = results
+    data = json.loads(Path(written["json"]).read_text())
+    assert data["ratios"].keys() == found["ratios"].keys()
+    text = Path(written["markdown"]).read_text()
+    assert "Ratios and costs vs targets" in text and "| Phase |" in text
+    assert Path(written["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_isolated_phase_runs_in_a_fresh_process():
+    import os
+
+    from benchmarks.measure import run_isolated
+
+    assert run_isolated(os.getpid) != os.getpid()
