@@ -229,15 +229,20 @@ def surgery_block(source: str | Mapping[str, Any] | None) -> Mapping[str, Any] |
     return block
 
 
-def read_surgery_file(path: str | Path) -> Mapping[str, Any]:
-    """The block from a YAML file holding either a whole merge config with ``surgery:`` or the block."""
-    path = Path(path)
+def read_yaml(path: Path) -> Any:
+    """``yaml.safe_load`` of a file, with read and syntax errors as one-line config errors."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise SurgeryConfigError(f"cannot read {path}: {err.strerror or err}") from err
     except yaml.YAMLError as err:
         raise SurgeryConfigError(f"{path} is not valid YAML: {_first_line(str(err))}") from err
+
+
+def read_surgery_file(path: str | Path) -> Mapping[str, Any]:
+    """The block from a YAML file holding either a whole merge config with ``surgery:`` or the block."""
+    path = Path(path)
+    data = read_yaml(path)
     block = surgery_block(data)
     if block is None and isinstance(data, Mapping) and "tasks" in data:
         block = data

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import click
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from tqdm.auto import tqdm
 
@@ -39,6 +38,7 @@ from .config import (
     SurgeryConfigError,
     parse_surgery,
     read_surgery_file,
+    read_yaml,
     resolve_device,
 )
 
@@ -139,12 +139,7 @@ class SweepSpec(_Block):
 def load_spec(path: str | Path) -> SweepSpec:
     """Parse and validate ``sweep.yml``; one-line errors naming the key path."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise SurgeryConfigError(f"cannot read {path}: {err.strerror or err}") from err
-    except yaml.YAMLError as err:
-        raise SurgeryConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from err
+    data = read_yaml(path)
     if not isinstance(data, Mapping):
         raise SurgeryConfigError(f"{path}: expected a mapping with merged, surgery, grid, eval")
     try:
