@@ -175,6 +175,34 @@ def run_prepared(
     """The expensive part of :func:`run_surgery`, for a block ``prepare_surgery`` has checked."""
     started = time.perf_counter()
     merged = Path(merged_path)
+    captured = capture_tasks(merged, prepared, progress=progress)
+    for run in captured.runs:
+        _train_phase(run, captured.env)
+    with _stage(None, f"writing {merged / 'surgery'}"):
+        written = _write(
+            captured.runs, merged, prepared, captured.env, captured.load_merged_s, started
+        )
+    if write_card:
+        update_model_card(merged, written)
+    if progress:
+        print_summary(written)
+    return written
+
+
+@dataclass
+class CapturedTasks:
+    """Every task's cached target and merged states, ready for training or diagnostics."""
+
+    runs: list[_TaskRun]
+    env: _Env
+    load_merged_s: float
+
+
+def capture_tasks(
+    merged_path: str | Path, prepared: PreparedSurgery, *, progress: bool = True
+) -> CapturedTasks:
+    """Targets one at a time (completions first, if asked), then the merged model once."""
+    merged = Path(merged_path)
     config = prepared.config
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -200,15 +228,7 @@ def run_prepared(
     for run in runs:
         _target_phase(run, prepared.targets[run.task.name], env)
     load_merged_s = _merged_phase(runs, merged, env)
-    for run in runs:
-        _train_phase(run, env)
-    with _stage(None, f"writing {merged / 'surgery'}"):
-        written = _write(runs, merged, prepared, env, load_merged_s, started)
-    if write_card:
-        update_model_card(merged, written)
-    if progress:
-        print_summary(written)
-    return written
+    return CapturedTasks(runs, env, load_merged_s)
 
 
 def _tokenize(task: ResolvedTask, prepared: PreparedSurgery, tokenizer: Any) -> list[list[int]]:

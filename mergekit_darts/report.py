@@ -104,14 +104,7 @@ def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict
     then the merged model once; relative paths resolve from the working directory, as when the
     surgery ran. Prompts whose sha256 differ from the manifest are reported in the notes.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .capture import capture
-    from .config import resolve_device
-    from .continuation import continue_prompts, eos_token_ids
-    from .data import tokenize_prompts
-    from .pipeline import prepare_surgery
+    from .pipeline import capture_tasks, prepare_surgery
     from .train import evaluate
 
     surgery_dir = merged / "surgery"
@@ -122,83 +115,22 @@ def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict
         out_path=merged,
         overwrite=True,
     )
-    config = prepared.config
-    device = resolve_device(config.device)
-    cache_dtype = getattr(torch, config.cache_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(merged, trust_remote_code=config.trust_remote_code)
-    pad_id = next(
-        (i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(i, int)), 0
-    )
-
-    def load(path: str) -> torch.nn.Module:
-        return AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype="auto",
-            device_map=config.device_map or device,
-            trust_remote_code=config.trust_remote_code,
-        ).eval()
-
-    def run(
-        model: torch.nn.Module, sequences: list[list[int]], batch: int, target: bool, desc: str
-    ):
-        return capture(
-            model,
-            sequences,
-            batch_size=batch,
-            with_entropy=target,
-            cache_dtype=cache_dtype,
-            cache_device=device,
-            pad_id=pad_id,
-            desc=desc,
-            progress=progress,
-        )
-
-    state: dict[str, dict[str, Any]] = {}
-    for task in prepared.tasks:
-        cal = task.calibration
-        prompts = prepared.prompts[task.name]
-        ids = tokenize_prompts(
-            tokenizer,
-            prompts.texts,
-            max_length=cal.max_length - cal.continuation_tokens,
-            chat_template=cal.chat_template,
-            key=f"{task.key}.calibration",
-        )
-        model = load(prepared.targets[task.name])
-        completion = None
-        if cal.continuation_tokens:
-            continued = continue_prompts(
-                model,
-                ids,
-                max_new_tokens=cal.continuation_tokens,
-                eos_ids=eos_token_ids(model, tokenizer),
-                pad_id=pad_id,
-                batch_size=task.batch_size,
-                progress=progress,
-                desc=f"{task.name}: generate",
-            )
-            ids, completion = continued.sequences, continued.mask
-        notes = _hash_notes(prompts.sha256, manifest["tasks"].get(task.name, {}))
-        target = run(model, ids, task.batch_size, True, f"{task.name}: target")
-        state[task.name] = {"ids": ids, "completion": completion, "target": target, "notes": notes}
-        del model
-    merged_model = load(str(merged))
     out = {}
-    for task in prepared.tasks:
-        s = state[task.name]
-        merged_states = run(merged_model, s["ids"], task.batch_size, False, f"{task.name}: merged")
+    for run in capture_tasks(merged, prepared, progress=progress).runs:
+        task = run.task
         module = load_surgery(surgery_dir, task.name)
-        before, after, _ = evaluate(module, merged_states, s["target"], merged_states.mask)
-        mask = merged_states.mask.cpu()
-        completion = s["completion"]
-        loss_mask = mask & completion if task.loss_positions == "completion" else mask
+        before, after, _ = evaluate(module, run.merged, run.target, run.merged.mask)
+        mask = run.merged.mask.cpu()
+        completion = run.completion_mask
+        loss_mask = mask & completion.cpu() if task.loss_positions == "completion" else mask
+        notes = _hash_notes(run.prompts.sha256, manifest["tasks"].get(task.name, {}))
         out[task.name] = Diagnostics(
             delta_before=plots.as_array(before),
             delta_after=plots.as_array(after),
             mask=plots.as_array(mask) > 0,
             loss_mask=plots.as_array(loss_mask) > 0,
-            entropy=plots.as_array(s["target"].entropy),
-            notes=["Diagnostics recomputed from the calibration data and models.", *s["notes"]],
+            entropy=plots.as_array(run.target.entropy),
+            notes=["Diagnostics recomputed from the calibration data and models.", *notes],
         )
     return out
 
