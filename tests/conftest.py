@@ -80,15 +80,3 @@ def tiny_merged(tiny_family: TinyFamily) -> Path:
     out = tiny_family.root / "merged"
     inspect.unwrap(mergekit.merge.run_merge)(config, str(out), MergeOptions(quiet=True))
     return out
-
-
-@pytest.fixture
-def single_thread():
-    """Run torch single-threaded for one test: tiny models on a shared 2-core machine are many
-    times faster without thread hand-offs (results are identical); restored afterwards."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -15,15 +15,6 @@ MAX_POSITIONS = 10  # shorter than prompt + generation: positions past the table
 STEPS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from threads, and on a busy 2-core box OpenMP spinning costs 4x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_family: Any) -> Iterator[tuple[Any, Any, SurgeryModule, SurgeryHandle]]:
     model = AutoModelForCausalLM.from_pretrained(tiny_family.base, dtype=torch.float32).eval()

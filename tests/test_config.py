@@ -35,7 +35,6 @@ from mergekit_darts.pipeline import prepare_surgery
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from mergekit_darts.metrics import rho_l1
 from mergekit_darts.pipeline import SurgeryRunError
 
 NEW_TOKENS = 10
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def reference_greedy(model, prompt: list[int], n: int, eos: set[int]) -> list[int]:

@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +32,6 @@ MC, MC_COPY, GEN, PPL = "darts_tiny_mc", "darts_tiny_mc_copy", "darts_tiny_gen",
 HIDDEN, RANK, MAX_POSITIONS = 64, 4, 12  # prompts run past 12 tokens: b_p = 0 there is exercised
 BIN = Path(sys.executable).parent
 NO_HOOK = {"DARTS_NO_HOOK": "1"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from threads, and on a busy 2-core box OpenMP spinning costs 4x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def random_module(seed: int) -> SurgeryModule:

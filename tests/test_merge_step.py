@@ -31,7 +31,6 @@ from mergekit_darts.hook import merge_with_surgery
 from mergekit_darts.pipeline import SurgeryRunError
 
 BIN = Path(sys.executable).parent
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def weighted(**extra) -> dict:

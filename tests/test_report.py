@@ -54,12 +54,7 @@ def surgery_folder(tiny_family, tiny_merged, tmp_path_factory):
             },
         ],
     }
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a shared 2-core machine: faster, same results
-    try:
-        run_surgery(merged, block, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    run_surgery(merged, block, progress=False)
     return merged
 
 
@@ -92,7 +87,7 @@ def test_report_renders_every_plot_from_the_pipeline_output(surgery_folder):
         assert f"loss counted: {entry['metrics']['rho_l1']:.3f};" in markdown
 
 
-def test_recompute_reproduces_stored_diagnostics_and_adds_entropy(surgery_folder, single_thread):
+def test_recompute_reproduces_stored_diagnostics_and_adds_entropy(surgery_folder):
     from mergekit_darts.artifacts import read_manifest
 
     surgery = surgery_folder / "surgery"
@@ -108,9 +103,7 @@ def test_recompute_reproduces_stored_diagnostics_and_adds_entropy(surgery_folder
         np.testing.assert_allclose(fresh[task].entropy, stored.entropy, atol=1e-5)
 
 
-def test_report_command_recompute_writes_entropy_for_every_task(
-    surgery_folder, tmp_path, single_thread
-):
+def test_report_command_recompute_writes_entropy_for_every_task(surgery_folder, tmp_path):
     run = CliRunner().invoke(
         report_command, [str(surgery_folder), "--recompute", "--quiet", "--output", str(tmp_path)]
     )

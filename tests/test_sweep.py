@@ -103,7 +103,7 @@ class Counting:
         return self.fn(*args, **kwargs)
 
 
-def test_sweep_completes_and_resumes_after_a_kill(spec_file, monkeypatch, single_thread):
+def test_sweep_completes_and_resumes_after_a_kill(spec_file, monkeypatch):
     spec = sweep.load_spec(spec_file)
     output = sweep.output_dir(spec, spec_file)
     evaluate = Counting(sweep.evaluate, fail_on=4)  # baseline + 2 cells finish, the 3rd dies

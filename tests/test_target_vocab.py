@@ -15,8 +15,6 @@ from tiny import build_tokenizer, save_model
 
 from mergekit_darts.hook import merge_with_surgery
 
-pytestmark = pytest.mark.usefixtures("single_thread")
-
 
 @pytest.fixture(scope="module")
 def extended(tiny_family, tmp_path_factory):
