@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -21,8 +23,13 @@ def rho_l1(
 ) -> float:
     """``1 - sum delta_after / sum delta_before`` over the real tokens (mask 1); higher is better."""
     keep = mask.to(torch.bool)
-    before = delta(h_merged, h_target)[keep].sum()
-    after = delta(h_hat, h_target)[keep].sum()
-    if before == 0:
+    rho = rho_from_deltas(delta(h_merged, h_target), delta(h_hat, h_target), keep)
+    if rho is None:
         raise ValueError("rho_l1 is undefined: the merged and target hidden states are identical")
-    return float(1 - after / before)
+    return rho
+
+
+def rho_from_deltas(before: Any, after: Any, mask: Any) -> float | None:
+    """rho_L1 from stored per-token deltas (torch or numpy, [N, T]); None when nothing to remove."""
+    total = before[mask].sum()
+    return None if total == 0 else float(1 - after[mask].sum() / total)

@@ -44,6 +44,7 @@ from .config import (
 )
 from .continuation import continue_prompts, eos_token_ids, tokens_sha256
 from .data import Prompts, load_prompts, tokenize_prompts
+from .metrics import rho_from_deltas
 from .modules import build_module
 from .train import TrainResult, TrainSettings, evaluate, train_surgery
 
@@ -424,10 +425,10 @@ def _position_metrics(run: _TaskRun) -> dict[str, float | None]:
     """rho_L1 over all real tokens and, with completions, over prompt and completion tokens."""
     before, after = run.delta_all
     real = run.merged.mask.cpu()
-    metrics = {"rho_l1_all": _rho(before, after, real)}
+    metrics = {"rho_l1_all": rho_from_deltas(before, after, real)}
     if run.completion_mask is not None:
-        metrics["rho_l1_prompt"] = _rho(before, after, real & ~run.completion_mask)
-        metrics["rho_l1_completion"] = _rho(before, after, run.completion_mask)
+        metrics["rho_l1_prompt"] = rho_from_deltas(before, after, real & ~run.completion_mask)
+        metrics["rho_l1_completion"] = rho_from_deltas(before, after, run.completion_mask)
     return metrics
 
 
@@ -455,11 +456,6 @@ def _diagnostics(run: _TaskRun) -> bytes:
         tensors["entropy"] = run.target.entropy.cpu().contiguous()
     # One metadata key: safetensors orders several at random, and the bytes must be reproducible.
     return safetensors_bytes(tensors, metadata={"format": "darts-surgery-diagnostics"})
-
-
-def _rho(before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor) -> float | None:
-    total = before[mask].sum()
-    return None if total == 0 else float(1 - after[mask].sum() / total)
 
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import plots
 from .artifacts import MANIFEST, SurgeryFormatError, load_surgery, read_manifest
+from .metrics import rho_from_deltas
 
 REPORT_DIR = "report"  # inside surgery/: replaced together with the modules it describes
 
@@ -78,8 +79,7 @@ def position_bias_norm(surgery_dir: Path, task: str, entry: Mapping[str, Any]) -
 
 def rho(diag: Diagnostics, mask: np.ndarray) -> float | None:
     """``1 - sum delta_after / sum delta_before`` over ``mask`` (paper eq. 7)."""
-    before = diag.delta_before[mask].sum()
-    return None if before == 0 else float(1 - diag.delta_after[mask].sum() / before)
+    return rho_from_deltas(diag.delta_before, diag.delta_after, mask)
 
 
 def bias_growth(delta: np.ndarray, mask: np.ndarray) -> float | None:

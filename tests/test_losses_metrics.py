@@ -135,3 +135,15 @@ def test_empty_mask_is_an_error():
         losses.l1(pred, target, torch.zeros_like(mask))
     with pytest.raises(ValueError, match="identical"):
         metrics.rho_l1(pred, pred, pred, mask)
+
+
+def test_rho_from_deltas_matches_reference_for_torch_and_numpy():
+    before = torch.tensor([[0.5, 1.0, 2.0], [1.5, 0.0, 0.0]])
+    after = torch.tensor([[0.25, 0.5, 9.0], [0.5, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    expected = 1 - (0.25 + 0.5 + 0.5) / (0.5 + 1.0 + 1.5)
+    assert metrics.rho_from_deltas(before, after, mask) == pytest.approx(expected)
+    assert metrics.rho_from_deltas(before.numpy(), after.numpy(), mask.numpy()) == pytest.approx(
+        expected
+    )
+    assert metrics.rho_from_deltas(before * 0, after, mask) is None
