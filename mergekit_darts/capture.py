@@ -3,7 +3,7 @@
 The surgery acts on the input of the output embedding (after the final norm), so that is what is
 recorded, through a forward pre-hook on ``model.get_output_embeddings()``; this works for any HF
 causal LM without knowing its module names. For the merged model the hook stops the forward right
-there (its logits are never needed); for a target, the per-token entropy of its own next-token
+there (its logits are needed at most on the first batch, to check the head); for a target, the per-token entropy of its own next-token
 distribution is computed batch by batch in float32, so an N x T x V tensor never exists.
 """
 
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .head import OutputHead
 from .metrics import token_entropy
 
 
@@ -26,11 +27,12 @@ class Captured:
     hidden: torch.Tensor  # [N, T, H], cache dtype
     mask: torch.Tensor  # [N, T] bool, True = real token
     entropy: torch.Tensor | None = None  # [N, T] float32 (targets only)
-    head_weight: torch.Tensor | None = None  # [V, H] output embedding, for the kl / ce losses
+    head: OutputHead | None = None  # the real output path, for kl / ce and the logit metrics
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.hidden, self.mask, self.entropy, self.head_weight)
+        tensors = (self.hidden, self.mask, self.entropy)
+        tensors += tuple(self.head.tensors().values()) if self.head is not None else ()
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -89,7 +91,9 @@ def capture(
     """Run ``model`` over ``sequences`` (token id lists, no padding) and record final hidden states.
 
     Positions are right-padded, so token ``t`` of each sequence sits at position ``t``: exactly
-    the absolute position the surgery's position table is indexed by.
+    the absolute position the surgery's position table is indexed by. ``with_head`` records the
+    model's output path (:class:`OutputHead`) and checks it against the model's own logits on the
+    first batch, which for the merged model costs one full forward pass more.
     """
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("capture needs at least one sequence and no empty sequence")
@@ -102,10 +106,12 @@ def capture(
     entropy = torch.zeros((n, width), dtype=torch.float32, device=cache_device)
     device = input_device(model)
     seen: list[torch.Tensor] = []
+    output = OutputHead.of(model, cache_device) if with_head else None
+    need_logits = with_entropy or with_head  # the first batch's logits verify the head
 
     def grab(_module: nn.Module, args: tuple) -> None:
         seen.append(args[0])
-        if not with_entropy:
+        if not need_logits:
             raise _StopForward
 
     handle = head.register_forward_pre_hook(grab)
@@ -122,8 +128,11 @@ def capture(
             rows, t = slice(start, start + ids.shape[0]), ids.shape[1]
             hidden[rows, :t] = seen[0].to(device=cache_device, dtype=cache_dtype)
             mask[rows, :t] = attn.to(device=cache_device, dtype=torch.bool)
-            if out is not None:
+            if out is not None and output is not None and output.verified is None:
+                output.verify(seen[0], out.logits, attn)
+            if out is not None and with_entropy:
                 _store_entropy(entropy, start, t, out.logits, cache_device)
+            need_logits = with_entropy
             # Drop this batch's logits and hidden state now: held over (by ``out``, or by a loop
             # variable viewing a row of them) they would coexist with the next batch's, two
             # batches of logits at the peak instead of one.
@@ -136,7 +145,5 @@ def capture(
         hidden=hidden,
         mask=mask,
         entropy=entropy if with_entropy else None,
-        head_weight=head.weight.detach().to(cache_device, torch.float32).clone()
-        if with_head
-        else None,
+        head=output,
     )

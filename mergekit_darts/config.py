@@ -8,6 +8,7 @@ the way mergekit resolves ``model:``, so ``model: ./math`` and ``target: ./math`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import string
 from collections.abc import Mapping
@@ -53,6 +54,7 @@ def _not_bool(value: Any) -> Any:
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_not_bool)]
+Fraction = Annotated[float, Field(gt=0, lt=1), BeforeValidator(_not_bool)]
 ModuleKind = Literal[MODULE_KINDS]
 LossName = Literal[LOSSES]
 LossPositions = Literal["all", "completion"]
@@ -61,6 +63,10 @@ CacheDtype = Literal["bfloat16", "float16", "float32"]
 # it (WizardMath-7B-V1.0 adds [PAD] as id 32000 to Llama-2's 32000) when every shared token keeps
 # its id, since hidden-state losses never look at the extra rows.
 TargetVocab = Literal["exact", "prefix"]
+# held-out selection metrics: top-1 agreement with the target (higher is better), KL(target ||
+# corrected merge) (lower), rho_L1 (higher)
+SelectMetric = Literal["agreement", "kl", "rho_l1"]
+LOGIT_LOSSES = ("kl", "ce")
 
 
 class _Block(BaseModel):
@@ -82,13 +88,9 @@ class CalibrationConfig(_Block):
     chat_template: StrictBool = False
 
 
-class TaskConfig(_Block):
-    """One surgery module: its target fine-tune, calibration data, and overrides of the defaults."""
+class Candidate(_Block):
+    """Training settings that override the task's: a task's own overrides, or one select candidate."""
 
-    name: str
-    target: str
-    eval_tasks: list[str] | None = None
-    calibration: CalibrationConfig
     module: ModuleKind | None = None
     loss: LossName | None = None
     rank: PositiveInt | None = None
@@ -98,6 +100,26 @@ class TaskConfig(_Block):
     batch_size: PositiveInt | None = None
     seed: NonNegativeInt | None = None
     loss_positions: LossPositions | None = None
+
+
+class SelectConfig(_Block):
+    """Train every candidate on the prompts not held out; keep the best on the held-out ones."""
+
+    candidates: list[Candidate] = Field(min_length=1)
+    holdout: Fraction = 0.2
+    metric: SelectMetric = "agreement"
+    refit: StrictBool = True  # retrain the chosen settings on every prompt before saving
+
+
+class TaskConfig(Candidate):
+    """One surgery module: its target fine-tune, calibration data, and overrides of the defaults."""
+
+    name: str
+    target: str
+    eval_tasks: list[str] | None = None
+    calibration: CalibrationConfig
+    holdout: Fraction | None = None
+    select: SelectConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -140,20 +162,12 @@ class SurgeryConfig(_Block):
     cache_dtype: CacheDtype = "bfloat16"
     trust_remote_code: StrictBool = False
     target_vocab: TargetVocab = "exact"
+    holdout: Fraction | None = None
+    select: SelectConfig | None = None
     tasks: list[TaskConfig] = Field(min_length=1)
 
 
-OVERRIDABLE = (
-    "module",
-    "loss",
-    "rank",
-    "max_positions",
-    "steps",
-    "lr",
-    "batch_size",
-    "seed",
-    "loss_positions",
-)
+OVERRIDABLE = tuple(Candidate.model_fields)
 
 
 @dataclass(frozen=True)
@@ -175,10 +189,39 @@ class ResolvedTask:
     seed: int
     loss_positions: str
     overridden: frozenset[str]  # settings the task sets itself
+    holdout: float = 0.0  # fraction of prompts held out from training (0: none)
+    holdout_key: str = ""  # where the holdout was set, for messages
+    select: SelectConfig | None = None
+    select_key: str = ""
 
     @property
     def key(self) -> str:
         return f"surgery.tasks[{self.index}]"
+
+    def candidates(self) -> list[ResolvedTask]:
+        """The task as each select candidate trains it (no select: the task itself)."""
+        if self.select is None:
+            return [self]
+        return [
+            dataclasses.replace(
+                self,
+                select=None,
+                overridden=self.overridden | set(c.model_fields_set),
+                **c.model_dump(exclude_none=True),
+            )
+            for c in self.select.candidates
+        ]
+
+    @property
+    def needs_logits(self) -> bool:
+        """True when training or selection compares next-token distributions (kl, ce, metric)."""
+        metric = self.select is not None and self.select.metric != "rho_l1"
+        return metric or any(c.loss in LOGIT_LOSSES for c in self.candidates())
+
+    @property
+    def needs_head(self) -> bool:
+        """Capture the output heads: logits are needed, or held-out agreement / KL are reported."""
+        return self.needs_logits or self.holdout > 0
 
     def source_key(self, setting: str) -> str:
         """Key path where ``setting`` was set: the task's override or the block default."""
@@ -202,9 +245,50 @@ def resolve_tasks(config: SurgeryConfig) -> list[ResolvedTask]:
                 calibration=task.calibration,
                 overridden=frozenset(n for n in OVERRIDABLE if getattr(task, n) is not None),
                 **settings,
+                **_split(config, task, f"surgery.tasks[{index}]"),
             )
         )
     return resolved
+
+
+def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
+    """A task's select and holdout: its own values win over the block's."""
+    for level, where in ((task, key), (config, "surgery")):
+        if level.select is not None and level.holdout is not None:
+            raise SurgeryConfigError(
+                f"{where}.holdout: {where}.select.holdout sets the held-out fraction here; "
+                "give it in one place"
+            )
+    select, select_key = (task.select, f"{key}.select") if task.select else (config.select, "")
+    if select is not None and not select_key:
+        select_key = "surgery.select"
+    if task.holdout is not None:
+        holdout, holdout_key = task.holdout, f"{key}.holdout"
+    elif select is not None:
+        holdout, holdout_key = select.holdout, f"{select_key}.holdout"
+    else:
+        holdout, holdout_key = config.holdout or 0.0, "surgery.holdout"
+    return {
+        "holdout": holdout,
+        "holdout_key": holdout_key,
+        "select": select,
+        "select_key": select_key,
+    }
+
+
+def holdout_count(fraction: float, n: int) -> int:
+    """Prompts held out of ``n``: ``round(fraction * n)``, at least one when holding out at all."""
+    return 0 if fraction <= 0 else max(1, round(fraction * n))
+
+
+def check_holdout(task: ResolvedTask, num_prompts: int) -> None:
+    """The split must leave a prompt on each side; run once the prompts are read."""
+    held = holdout_count(task.holdout, num_prompts)
+    if held and held >= num_prompts:
+        raise SurgeryConfigError(
+            f"{task.holdout_key}: {task.holdout} of {num_prompts} prompt(s) holds out {held}, "
+            "leaving no prompt to train on; lower it or give more calibration prompts"
+        )
 
 
 # ---- reading the block ---------------------------------------------------------------------------
@@ -284,7 +368,15 @@ def _check_rules(config: SurgeryConfig) -> None:
                     f"{served[eval_task]!r}; each lm-eval task may pick one module"
                 )
             served[eval_task] = task.name
-        _check_calibration(task)
+        for number, candidate in enumerate(task.candidates()):
+            try:
+                _check_calibration(candidate)
+            except SurgeryConfigError as err:
+                if task.select is None:
+                    raise
+                raise SurgeryConfigError(
+                    f"{task.select_key}.candidates[{number}]: {err.message}"
+                ) from None
     _check_device(config.device)
 
 
@@ -455,14 +547,15 @@ def check_targets(
                 f"{key}: {task.target} has hidden_size {shape.hidden_size}, the {reference_label} "
                 f"has {ref_shape.hidden_size}; surgery needs targets of the merged architecture"
             )
-        prefix = target_vocab == "prefix" and task.loss in ("l1", "ewl1")
+        prefix = target_vocab == "prefix" and not task.needs_logits
         appended = prefix and shape.vocab_size > ref_shape.vocab_size
         if check_vocab and shape.vocab_size != ref_shape.vocab_size and not appended:
             raise SurgeryConfigError(
                 f"{key}: {task.target} has vocab_size {shape.vocab_size}, the "
                 f"{reference_label} has {ref_shape.vocab_size}; the target must share the "
                 "merged model's vocabulary (a target that only appends tokens is accepted "
-                "with surgery.target_vocab: prefix and loss l1 or ewl1)"
+                "with surgery.target_vocab: prefix, loss l1 or ewl1 and select metric rho_l1: "
+                "agreement, kl and ce compare two distributions over one vocabulary)"
             )
         tokens = _tokenizer_vocab(where, trust_remote_code) if check_vocab else None
         if ref_vocab is not None and tokens is not None:
@@ -502,6 +595,14 @@ def check_output(out_path: str | Path, overwrite: bool) -> None:
 # ---- messages ------------------------------------------------------------------------------------
 
 
+BOUNDS = {
+    "greater_than": "> ",
+    "greater_than_equal": ">= ",
+    "less_than": "< ",
+    "less_than_equal": "<= ",
+}
+
+
 def _describe(err: ValidationError) -> str:
     """One line for the first schema error, naming its key path like the YAML does."""
     errors = err.errors()
@@ -517,8 +618,8 @@ def _describe(err: ValidationError) -> str:
     elif kind == "literal_error":
         choices = first["ctx"]["expected"].replace("'", "")
         text = f"{key}: {_short(value)} is not allowed; choose one of {choices}"
-    elif kind in ("greater_than", "greater_than_equal"):
-        bound = "> " if kind == "greater_than" else ">= "
+    elif kind in BOUNDS:
+        bound = BOUNDS[kind]
         text = f"{key}: must be {bound}{next(iter(first['ctx'].values()))} (got {_short(value)})"
     elif kind == "too_short":
         text = f"{key}: must not be empty"

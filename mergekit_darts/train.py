@@ -74,15 +74,15 @@ def _batch_loss(
         return losses.l1(h_hat, h_star, mask)
     if loss == "ewl1":
         return losses.ewl1(h_hat, h_star, target.entropy[rows, :width], mask)
-    pred_logits = h_hat @ merged.head_weight.T
-    target_logits = h_star @ target.head_weight.T
+    pred_logits = merged.head.logits(h_hat)
+    target_logits = target.head.logits(h_star)
     return getattr(losses, loss)(pred_logits, target_logits, mask)
 
 
-def _epoch_batches(n: int, batch_size: int, generator: torch.Generator):
-    """Endless seeded shuffles of ``range(n)``, cut into batches (the last of an epoch may be short)."""
+def _epoch_batches(rows: torch.Tensor, batch_size: int, generator: torch.Generator):
+    """Endless seeded shuffles of ``rows``, cut into batches (the last of an epoch may be short)."""
     while True:
-        order = torch.randperm(n, generator=generator)
+        order = rows[torch.randperm(rows.numel(), generator=generator)]
         yield from order.split(batch_size)
 
 
@@ -93,6 +93,7 @@ def train_surgery(
     settings: TrainSettings,
     *,
     loss_mask: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
     progress: bool = True,
     desc: str = "train",
@@ -100,6 +101,8 @@ def train_surgery(
     """Fit ``module`` so that ``module(h_merged)`` matches ``h_target`` on the counted tokens.
 
     ``loss_mask`` [N, T] chooses which real tokens the loss and rho_L1 cover (default: all).
+    ``rows`` (sequence indices, default all) trains on a subset without copying the captures:
+    the rest is held out, and the result's rho_L1 covers the training rows only.
     """
     if merged.hidden.shape != target.hidden.shape or not torch.equal(merged.mask, target.mask):
         raise ValueError(
@@ -108,9 +111,15 @@ def train_surgery(
         )
     if settings.loss == "ewl1" and target.entropy is None:
         raise ValueError("the ewl1 loss needs the target's entropy: capture it with_entropy=True")
-    if settings.loss in ("kl", "ce") and (merged.head_weight is None or target.head_weight is None):
-        raise ValueError(f"the {settings.loss} loss needs both output embeddings: with_head=True")
+    if settings.loss in ("kl", "ce"):
+        if merged.head is None or target.head is None:
+            raise ValueError(f"the {settings.loss} loss needs both output heads: with_head=True")
+        for captured in (merged, target):
+            captured.head.require(f"the {settings.loss} loss")
+    n = merged.hidden.shape[0]
+    rows = torch.arange(n) if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
     counted = merged.mask if loss_mask is None else loss_mask.to(torch.bool) & merged.mask
+    counted = in_rows(counted, rows)
     if not counted.any():
         raise ValueError("no token is counted by the loss mask")
     merged, target = _to(merged, device), _to(target, device)
@@ -118,14 +127,14 @@ def train_surgery(
     module = module.to(device=device, dtype=torch.float32).train()
     optimizer = torch.optim.Adam(module.parameters(), lr=settings.lr, betas=(0.9, 0.999))
     generator = torch.Generator().manual_seed(settings.seed)
-    batches = _epoch_batches(merged.hidden.shape[0], settings.batch_size, generator)
+    batches = _epoch_batches(rows, settings.batch_size, generator)
     curve: list[float] = []
     start = time.perf_counter()
     for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
-        rows = next(batches).to(device)
-        if not counted[rows].any():
+        batch = next(batches).to(device)
+        if not counted[batch].any():
             continue
-        loss = _batch_loss(module, merged, target, rows, counted, settings.loss)
+        loss = _batch_loss(module, merged, target, batch, counted, settings.loss)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -148,6 +157,13 @@ def evaluate(
     before = delta(h, h_star) * keep
     after = delta(h_hat, h_star) * keep
     return before.cpu(), after.cpu(), rho_l1(h, h_hat, h_star, counted)
+
+
+def in_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[N, T] bool: the tokens of ``mask`` [N, T] that lie in the sequences ``rows``."""
+    keep = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    keep[rows.to(mask.device)] = True
+    return mask.to(torch.bool) & keep.unsqueeze(-1)
 
 
 def _to(captured: Captured, device: torch.device | str) -> Captured:

@@ -50,7 +50,7 @@ def test_capture_equals_models_own_last_hidden_state(captured):
 def test_capture_cache_dtype_default_is_bfloat16(tiny_family):
     model = AutoModelForCausalLM.from_pretrained(tiny_family.base, dtype=torch.float32)
     got = capture(model, [[2, 5, 6], [2, 7]], progress=False)
-    assert got.hidden.dtype == torch.bfloat16 and got.entropy is None and got.head_weight is None
+    assert got.hidden.dtype == torch.bfloat16 and got.entropy is None and got.head is None
     assert got.nbytes == got.hidden.numel() * 2 + got.mask.numel()
 
 
@@ -107,7 +107,7 @@ def test_kl_and_ce_losses_train_with_heads(tiny_family, captured):
 def test_mismatched_inputs_are_errors(captured):
     _, _, merged, target = captured
     module = build_module("pos_corr", merged.hidden.shape[-1], 4, 32)
-    with pytest.raises(ValueError, match="needs both output embeddings"):
+    with pytest.raises(ValueError, match="needs both output heads"):
         train_surgery(module, merged, target, TrainSettings(loss="kl"), progress=False)
     with pytest.raises(ValueError, match="needs the target's entropy"):
         train_surgery(module, merged, merged, TrainSettings(loss="ewl1"), progress=False)

@@ -1,0 +1,112 @@
+"""Held-out measurement and selection: which correction helps this merge, on the user's own data.
+
+A seeded fraction of the calibration prompts is held out from training. On it, for the merged
+model before and after its module, three numbers say how close the merge comes to its target:
+top-1 agreement with the target's next token, KL(target || merge) of the next-token
+distributions (both through each model's real output path, :mod:`.head`), and rho_L1 of the
+hidden states. ``select:`` trains every candidate setting on the same captures and keeps the best
+by one of them. Everything runs batch by batch in float32; an N x T x V tensor never exists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .capture import Captured
+from .config import holdout_count
+from .head import LOGIT_CHUNK
+from .metrics import delta, rho_from_deltas
+from .modules import SurgeryModule
+from .train import positions_of
+
+METRIC_BEST = {"agreement": max, "kl": min, "rho_l1": max}  # how each selection metric ranks
+ROWS_PER_STEP = 8  # sequences per held-out evaluation step
+
+
+def holdout_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, held-out rows) of ``n`` sequences, both sorted; the draw depends on ``seed``."""
+    held = holdout_count(fraction, n)
+    if held >= n and held:
+        raise ValueError(f"holding out {held} of {n} prompts leaves none to train on")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return order[held:].sort().values, order[:held].sort().values
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Before / after metrics of one module over the counted tokens of the held-out rows."""
+
+    tokens: int
+    rho_l1: float | None
+    agreement_before: float | None = None  # None: no verified heads, or different vocabularies
+    agreement_after: float | None = None
+    kl_before: float | None = None
+    kl_after: float | None = None
+
+    def summary(self) -> dict[str, float | None]:
+        """The three selection metrics, after the module."""
+        return {"agreement": self.agreement_after, "kl": self.kl_after, "rho_l1": self.rho_l1}
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return dict(vars(self))
+
+
+def logits_comparable(merged: Captured, target: Captured) -> bool:
+    """Agreement and KL need both real output paths, checked, over one vocabulary."""
+    heads = (merged.head, target.head)
+    if any(h is None or not h.verified for h in heads):
+        return False
+    return merged.head.vocab_size == target.head.vocab_size
+
+
+@torch.no_grad()
+def held_out_metrics(
+    module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor
+) -> HeldOut:
+    """Agreement, KL and rho_L1 before / after ``module`` over the ``counted`` [N, T] tokens."""
+    logits = logits_comparable(merged, target)
+    sums = torch.zeros(6, dtype=torch.float64)  # agree b/a, kl b/a, delta b/a
+    tokens = 0
+    module = module.eval()
+    device = merged.hidden.device
+    counted = counted.to(device=device, dtype=torch.bool)
+    for start in range(0, counted.shape[0], ROWS_PER_STEP):
+        rows = slice(start, start + ROWS_PER_STEP)
+        keep = counted[rows]
+        if not keep.any():
+            continue
+        h = merged.hidden[rows][keep].to(torch.float32)  # [P, H]
+        h_star = target.hidden[rows][keep].to(torch.float32)
+        h_hat = module(h, positions_of(merged.mask[rows])[keep])
+        tokens += h.shape[0]
+        sums[4] += delta(h, h_star).sum().double()
+        sums[5] += delta(h_hat, h_star).sum().double()
+        if logits:
+            for chunk in range(0, h.shape[0], LOGIT_CHUNK):
+                part = slice(chunk, chunk + LOGIT_CHUNK)
+                log_p = torch.log_softmax(target.head.logits(h_star[part]), -1)
+                best = log_p.argmax(-1)
+                for i, x in enumerate((h[part], h_hat[part])):
+                    log_q = torch.log_softmax(merged.head.logits(x), -1)
+                    sums[i] += (log_q.argmax(-1) == best).sum().double()
+                    sums[2 + i] += (log_p.exp() * (log_p - log_q)).sum().double()
+    if tokens == 0:
+        raise ValueError("no held-out token to measure on")
+    rho = rho_from_deltas(sums[4:5], sums[5:6], torch.tensor([True]))
+    if not logits:
+        return HeldOut(tokens, rho)
+    agree, kl = (sums[:2] / tokens).tolist(), (sums[2:4] / tokens).tolist()
+    return HeldOut(tokens, rho, agree[0], agree[1], kl[0], kl[1])
+
+
+def choose(scores: Sequence[float | None], metric: str) -> int:
+    """Index of the best candidate by ``metric``; the first wins a tie, a missing score never."""
+    usable = [(s, i) for i, s in enumerate(scores) if s is not None and not math.isnan(s)]
+    if not usable:
+        raise ValueError(f"no candidate has a held-out {metric}")
+    best = METRIC_BEST[metric](s for s, _ in usable)
+    return next(i for s, i in usable if s == best)
