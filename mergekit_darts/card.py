@@ -76,6 +76,7 @@ def surgery_section(manifest: Mapping[str, Any], name: str) -> str:
             "",
             report_link_markdown(name),
             "",
+            *_selection_markdown(tasks),
             "### Evaluate",
             "",
             "```sh",
@@ -99,6 +100,57 @@ def surgery_section(manifest: Mapping[str, Any], name: str) -> str:
             END,
         ]
     )
+
+
+def _selection_markdown(tasks: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Held-out numbers and, for tasks with ``select``, every candidate and which one was kept."""
+    rows = []
+    for task, entry in tasks.items():
+        held = entry.get("held_out")
+        selection = entry.get("selection")
+        if held is None:
+            continue
+        candidates = selection["candidates"] if selection else [None]
+        for index, candidate in enumerate(candidates):
+            if candidate is None:  # a fixed task measured on held-out prompts
+                label, metrics = f"{entry['module']} + {entry['loss']}", held["all"]
+                numbers = [metrics["agreement_after"], metrics["kl_after"], metrics["rho_l1"]]
+                kept = "saved"
+            else:
+                label = candidate_label(candidate, candidates)
+                numbers = [candidate["held_out"][k] for k in ("agreement", "kl", "rho_l1")]
+                kept = f"✓ by {selection['metric']}" if index == selection["chosen"] else ""
+            before = (
+                f"{_number(held['all']['agreement_before'])} / "
+                f"{_number(held['all']['kl_before'], '.3g')}"
+            )
+            rows.append(
+                f"| `{task}` | {label} | {_number(numbers[0])} | {_number(numbers[1], '.3g')} | "
+                f"{_number(numbers[2])} | {before if index == 0 else ''} | {kept} |"
+            )
+    if not rows:
+        return []
+    refit = any(e.get("selection", {}).get("refit") for e in tasks.values())
+    return [
+        "### Held-out measurement and selection",
+        "",
+        "Measured on calibration prompts held out from training (their sha256 are in the "
+        "manifest): top-1 agreement of the corrected merge with the target's next token, "
+        "KL(target ‖ corrected merge), ρ_L1; the merge without surgery for comparison.",
+        *(
+            [
+                "A task with `select` trained each candidate on the other prompts and kept the "
+                "best by the named metric" + (", then refit it on every prompt." if refit else ".")
+            ]
+            if any("selection" in e for e in tasks.values())
+            else []
+        ),
+        "",
+        "| task | correction | agreement | KL | ρ_L1 | no surgery: agreement / KL | kept |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _mergekit_card(folder: Path) -> str:
@@ -128,7 +180,8 @@ def _with_tags(text: str) -> str:
 
 
 def print_summary(manifest: Mapping[str, Any], console: Console | None = None) -> None:
-    """One row per task: how much of the merged model's bias its module removed."""
+    """One row per task: how much of the merged model's bias its module removed; with held-out
+    prompts, agreement and KL on them before -> after; with ``select``, every candidate."""
     tasks = manifest["tasks"]
     with_completion = any("rho_l1_completion" in e["metrics"] for e in tasks.values())
     table = Table(title="DARTS surgery", title_justify="left", box=box.SIMPLE_HEAD)
@@ -150,11 +203,82 @@ def print_summary(manifest: Mapping[str, Any], console: Console | None = None) -
             f"{metrics['rho_l1']:.3f}",
         ]
         if with_completion:
-            value = metrics.get("rho_l1_completion")
-            row.append("–" if value is None else f"{value:.3f}")
+            row.append(_number(metrics.get("rho_l1_completion")))
         table.add_row(*row)
     if console is None:
         console = Console()
         if not console.is_terminal:  # a log file or a pipe: no reason to squeeze into 80 columns
             console = Console(width=120)
     console.print(table)
+    held_out = {task: e["held_out"] for task, e in tasks.items() if "held_out" in e}
+    if held_out:
+        console.print(_held_out_table(held_out))
+    selecting = {task: e["selection"] for task, e in tasks.items() if "selection" in e}
+    if selecting:
+        console.print(_selection_table(selecting))
+
+
+def _number(value: float | None, form: str = ".3f") -> str:
+    return "–" if value is None else format(value, form)
+
+
+def _held_out_table(held_out: Mapping[str, Mapping[str, Any]]) -> Table:
+    """Per task and position set: agreement and KL before→after, ρ_L1, on the held-out prompts."""
+    table = Table(
+        title="held-out prompts: merged → corrected (agreement with the target's top-1 token, "
+        "KL(target ‖ merge))",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in ("task", "positions", "prompts", "tokens", "agreement", "KL", "ρ_L1"):
+        table.add_column(column, justify="left" if column in ("task", "positions") else "right")
+    for task, held in held_out.items():
+        for positions in ("all", "completion"):
+            if positions not in held:
+                continue
+            m = held[positions]
+            table.add_row(
+                task if positions == "all" else "",
+                positions + ("" if held["saved_module"] else " (before refit)"),
+                str(len(held["prompt_sha256"])),
+                str(m["tokens"]),
+                f"{_number(m['agreement_before'])} → {_number(m['agreement_after'])}",
+                f"{_number(m['kl_before'], '.3g')} → {_number(m['kl_after'], '.3g')}",
+                _number(m["rho_l1"]),
+            )
+    return table
+
+
+def candidate_label(candidate: Mapping[str, Any], others: list[Mapping[str, Any]]) -> str:
+    """``module + loss``, plus whichever other settings differ between the candidates."""
+    varying = [
+        key
+        for key in ("rank", "max_positions", "steps", "lr", "batch_size", "seed", "loss_positions")
+        if len({str(c[key]) for c in others}) > 1
+    ]
+    extra = "".join(f", {key} {candidate[key]}" for key in varying)
+    return f"{candidate['module']} + {candidate['loss']}{extra}"
+
+
+def _selection_table(selecting: Mapping[str, Mapping[str, Any]]) -> Table:
+    table = Table(
+        title="select: every candidate on the held-out prompts (✓ kept)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in ("task", "candidate", "agreement", "KL", "ρ_L1", "kept"):
+        table.add_column(column, justify="left" if column in ("task", "candidate") else "right")
+    for task, selection in selecting.items():
+        candidates = selection["candidates"]
+        for index, candidate in enumerate(candidates):
+            held = candidate["held_out"]
+            chosen = index == selection["chosen"]
+            table.add_row(
+                task if index == 0 else "",
+                candidate_label(candidate, candidates),
+                _number(held["agreement"]),
+                _number(held["kl"], ".3g"),
+                _number(held["rho_l1"]),
+                f"✓ by {selection['metric']}" if chosen else "",
+            )
+    return table

@@ -34,6 +34,7 @@ from .config import (
     SurgeryConfigError,
     SurgeryError,
     calibration_file,
+    check_holdout,
     check_output,
     check_targets,
     model_shape,
@@ -44,9 +45,11 @@ from .config import (
 )
 from .continuation import continue_prompts, eos_token_ids, tokens_sha256
 from .data import Prompts, load_prompts, tokenize_prompts
+from .head import HeadError
 from .metrics import rho_from_deltas
 from .modules import build_module
-from .train import TrainResult, TrainSettings, evaluate, train_surgery
+from .selection import HeldOut, choose, held_out_metrics, holdout_split
+from .train import TrainResult, TrainSettings, evaluate, in_rows, train_surgery
 
 SURGERY_YAML = "surgery.yml"
 LOSS_CURVE_POINTS = 200  # the manifest keeps at most this many points of each loss curve
@@ -97,6 +100,8 @@ def prepare_surgery(
         target_vocab=config.target_vocab,
     )
     prompts = {task.name: load_prompts(task) for task in tasks}
+    for task in tasks:
+        check_holdout(task, len(prompts[task.name].texts))
     return PreparedSurgery(block, config, tasks, targets, prompts)
 
 
@@ -135,6 +140,10 @@ class _TaskRun:
     result: TrainResult | None = None
     delta_all: tuple[torch.Tensor, torch.Tensor] | None = None  # before/after, every real token
     timings: dict[str, float] = field(default_factory=dict)
+    train_rows: torch.Tensor | None = None  # sequences the saved module trained on (None: all)
+    held_rows: torch.Tensor | None = None  # sequences held out from training
+    held_out: dict[str, Any] | None = None  # manifest `held_out`
+    selection: dict[str, Any] | None = None  # manifest `selection`
 
 
 def run_surgery(
@@ -305,7 +314,7 @@ def _capture(
         run.sequences,
         batch_size=run.task.batch_size,
         with_entropy=with_entropy,
-        with_head=run.task.loss in ("kl", "ce"),
+        with_head=run.task.needs_head,
         cache_dtype=env.cache_dtype,
         cache_device=env.device,
         pad_id=env.pad_id,
@@ -315,30 +324,119 @@ def _capture(
 
 
 def _train_phase(run: _TaskRun, env: _Env) -> None:
+    """Train the task's module; with ``holdout`` measure it on held-out prompts, with ``select``
+    train every candidate on the rest and keep the best (refit on every prompt unless refit off)."""
     task = run.task
+    if task.needs_logits:
+        _require_heads(run)
     with _stage(task.name, "training"), _timer(run.timings, "train_s"):
-        module = build_module(
-            task.module, run.merged.hidden.shape[-1], task.rank, task.max_positions, seed=task.seed
-        )
-        settings = TrainSettings(task.loss, task.steps, task.lr, task.batch_size, task.seed)
-        run.result = train_surgery(
-            module,
-            run.merged,
-            run.target,
-            settings,
-            loss_mask=None if task.loss_positions == "all" else _loss_mask(run).to(env.device),
-            device=env.device,
-            progress=env.progress,
-            desc=f"{task.name}: train",
-        )
+        if task.holdout:
+            run.train_rows, run.held_rows = holdout_split(
+                len(run.sequences), task.holdout, task.seed
+            )
+        if task.select is not None:
+            chosen, module = _select(run, env)
+            run.task = chosen
+            if task.select.refit:
+                run.train_rows = None
+                run.result = _fit(run, chosen, env, None)
+        else:
+            run.result = _fit(run, task, env, run.train_rows)
+            module = run.result.module
+        if run.held_rows is not None:
+            run.held_out = _held_out_entry(run, module, saved=run.train_rows is not None)
         before, after, _ = evaluate(run.result.module, run.merged, run.target, run.merged.mask)
         run.delta_all = (before, after)
 
 
-def _loss_mask(run: _TaskRun) -> torch.Tensor:
+def _fit(run: _TaskRun, task: ResolvedTask, env: _Env, rows: torch.Tensor | None) -> TrainResult:
+    """One module with ``task``'s settings, on the sequences ``rows`` (None: all)."""
+    module = build_module(
+        task.module, run.merged.hidden.shape[-1], task.rank, task.max_positions, seed=task.seed
+    )
+    settings = TrainSettings(task.loss, task.steps, task.lr, task.batch_size, task.seed)
+    return train_surgery(
+        module,
+        run.merged,
+        run.target,
+        settings,
+        loss_mask=None if task.loss_positions == "all" else _loss_mask(run, task).to(env.device),
+        rows=rows,
+        device=env.device,
+        progress=env.progress,
+        desc=f"{run.task.name}: train {task.module} + {task.loss}",
+    )
+
+
+def _select(run: _TaskRun, env: _Env) -> tuple[ResolvedTask, nn.Module]:
+    """Every candidate on the training rows, scored on the held-out rows; returns the best."""
+    task, select = run.task, run.task.select
+    counted = in_rows(_loss_mask(run, task), run.held_rows)
+    candidates, scored = task.candidates(), []
+    for candidate in candidates:
+        result = _fit(run, candidate, env, run.train_rows)
+        scored.append((result, held_out_metrics(result.module, run.merged, run.target, counted)))
+    chosen = choose([held.summary()[select.metric] for _, held in scored], select.metric)
+    run.result = scored[chosen][0]
+    run.selection = {
+        "metric": select.metric,
+        "holdout": task.holdout,
+        "holdout_sha256": _held_sha256(run),
+        "refit": select.refit,
+        "candidates": [
+            {**_settings(c), "held_out": held.summary(), "final_loss": result.final_loss}
+            for c, (result, held) in zip(candidates, scored, strict=True)
+        ],
+        "chosen": chosen,
+    }
+    return candidates[chosen], scored[chosen][0].module
+
+
+def _settings(task: ResolvedTask) -> dict[str, Any]:
+    keys = ("module", "loss", "rank", "max_positions", "steps", "lr", "batch_size", "seed")
+    return {key: getattr(task, key) for key in (*keys, "loss_positions")}
+
+
+def _held_out_entry(run: _TaskRun, module: nn.Module, *, saved: bool) -> dict[str, Any]:
+    """Manifest ``held_out``: metrics before/after on every held-out token and on completions."""
+    real = run.merged.mask
+    sets = {"all": real}
+    if run.completion_mask is not None:
+        sets["completion"] = real & run.completion_mask.to(real.device)
+    measured: dict[str, HeldOut] = {
+        name: held_out_metrics(module, run.merged, run.target, in_rows(mask, run.held_rows))
+        for name, mask in sets.items()
+        if in_rows(mask, run.held_rows).any()
+    }
+    return {
+        "fraction": run.task.holdout,
+        "prompt_sha256": _held_sha256(run),
+        "saved_module": saved,  # false: the numbers are the chosen candidate's, before its refit
+        **{name: held.as_dict() for name, held in measured.items()},
+    }
+
+
+def _held_sha256(run: _TaskRun) -> list[str]:
+    return [run.prompts.sha256[i] for i in run.held_rows.tolist()]
+
+
+def _require_heads(run: _TaskRun) -> None:
+    """kl / ce / select by agreement or KL need logits the model really produces: one line if not."""
+    task = run.task
+    losses = sorted({c.loss for c in task.candidates()} & {"kl", "ce"})
+    what = f"loss {losses[0]}" if losses else f"select metric {task.select.metric}"
+    try:
+        for captured in (run.target, run.merged):
+            captured.head.require(what)
+    except HeadError as err:
+        raise SurgeryRunError(f"surgery task {task.name!r}: {err}") from None
+
+
+def _loss_mask(run: _TaskRun, task: ResolvedTask | None = None) -> torch.Tensor:
     """[N, T] bool on the CPU: the real tokens the loss and rho_L1 cover."""
     real = run.merged.mask.cpu()
-    return real if run.task.loss_positions == "all" else real & run.completion_mask
+    positions = (task or run.task).loss_positions
+    return real if positions == "all" else real & run.completion_mask
 
 
 # ---- what is written -----------------------------------------------------------------------------
@@ -379,7 +477,7 @@ def _write(
 def _task_entry(run: _TaskRun) -> dict[str, Any]:
     task, result = run.task, run.result
     cal = task.calibration
-    counted = _loss_mask(run)
+    counted = _trained(run, _loss_mask(run))
     entry: dict[str, Any] = {
         "module": task.module,
         "rank": task.rank,
@@ -418,17 +516,26 @@ def _task_entry(run: _TaskRun) -> dict[str, Any]:
     if run.completions is not None:
         entry["calibration"]["completion_tokens"] = [len(c) for c in run.completions]
         entry["calibration"]["completion_sha256"] = [tokens_sha256(c) for c in run.completions]
+    if run.held_out is not None:
+        entry["held_out"] = run.held_out
+    if run.selection is not None:
+        entry["selection"] = run.selection
     return entry
+
+
+def _trained(run: _TaskRun, mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` [N, T] limited to the sequences the saved module trained on."""
+    return mask if run.train_rows is None else in_rows(mask, run.train_rows)
 
 
 def _position_metrics(run: _TaskRun) -> dict[str, float | None]:
     """rho_L1 over all real tokens and, with completions, over prompt and completion tokens."""
     before, after = run.delta_all
-    real = run.merged.mask.cpu()
+    real = _trained(run, run.merged.mask.cpu())
     metrics = {"rho_l1_all": rho_from_deltas(before, after, real)}
     if run.completion_mask is not None:
         metrics["rho_l1_prompt"] = rho_from_deltas(before, after, real & ~run.completion_mask)
-        metrics["rho_l1_completion"] = rho_from_deltas(before, after, run.completion_mask)
+        metrics["rho_l1_completion"] = rho_from_deltas(before, after, real & run.completion_mask)
     return metrics
 
 

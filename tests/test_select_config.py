@@ -1,0 +1,141 @@
+"""`select:` and `holdout:` in the surgery block: bad values are one line before any merge work."""
+
+from __future__ import annotations
+
+import pytest
+from test_config import block, merge_config, odd, refuse, task  # noqa: F401  (odd: fixture)
+from test_target_vocab import extended  # noqa: F401  (fixture)
+
+from mergekit_darts.config import parse_surgery, resolve_tasks
+
+THREE = [
+    {"module": "standard", "loss": "l1"},
+    {"module": "pos_corr", "loss": "l1"},
+    {"module": "pos_corr", "loss": "ewl1"},
+]
+
+
+def select(**changes) -> dict:
+    return {"candidates": THREE, **changes}
+
+
+BAD_SELECT = [
+    ("empty candidates", block(select={"candidates": []}), "surgery.select.candidates: must not"),
+    (
+        "unknown key in a candidate",
+        block(select={"candidates": [{"modul": "standard"}]}),
+        "surgery.select.candidates[0].modul: unknown key; allowed here: module, loss, rank",
+    ),
+    (
+        "unknown module in a task's candidate",
+        task(1, select={"candidates": [{"module": "lora"}]}),
+        "surgery.tasks[1].select.candidates[0].module: 'lora' is not allowed",
+    ),
+    ("holdout of 1", block(select=select(holdout=1.0)), "surgery.select.holdout: must be < 1"),
+    ("holdout of 0", block(select=select(holdout=0)), "surgery.select.holdout: must be > 0"),
+    ("task holdout above 1", task(0, holdout=1.5), "surgery.tasks[0].holdout: must be < 1"),
+    (
+        "unknown metric",
+        block(select=select(metric="accuracy")),
+        "surgery.select.metric: 'accuracy' is not allowed; choose one of agreement, kl or rho_l1",
+    ),
+    ("unknown select key", block(select=select(folds=5)), "surgery.select.folds: unknown key"),
+    (
+        "holdout leaving no training prompt",
+        task(0, holdout=0.5, calibration={"num_samples": 1}),
+        "surgery.tasks[0].holdout: 0.5 of 1 prompt(s) holds out 1, leaving no prompt to train on",
+    ),
+    (
+        "select holdout leaving no training prompt",
+        task(1, select=select(holdout=0.9), calibration={"num_samples": 2}),
+        "surgery.tasks[1].select.holdout: 0.9 of 2 prompt(s) holds out 2",
+    ),
+    (
+        "holdout given twice on a task",
+        task(0, holdout=0.1, select=select()),
+        "surgery.tasks[0].holdout: surgery.tasks[0].select.holdout sets the held-out fraction",
+    ),
+    (
+        "candidate position table shorter than max_length",
+        block(select={"candidates": [{"loss": "l1"}, {"max_positions": 16}]}),
+        "surgery.select.candidates[1]: surgery.tasks[0].calibration.max_length: 512 exceeds "
+        "max_positions 16",
+    ),
+    (
+        "candidate trains on completions that do not exist",
+        task(0, select={"candidates": [{"loss_positions": "completion"}]}),
+        "surgery.tasks[0].select.candidates[0]: surgery.tasks[0].loss_positions: `completion` needs",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"), [c[1:] for c in BAD_SELECT], ids=[c[0] for c in BAD_SELECT]
+)
+def test_bad_select_is_one_line_before_merging(
+    tiny_family,
+    calibration_data,
+    odd,  # noqa: F811
+    tmp_path,
+    mutate,
+    expected,
+):
+    config = merge_config(tiny_family, calibration_data)
+    mutate(config, odd)
+    message = refuse(config, tmp_path / "out")
+    assert message.startswith(expected), message
+
+
+@pytest.mark.parametrize("metric", ["agreement", "kl"])
+def test_logit_metrics_refuse_a_target_with_appended_tokens(
+    tiny_family,
+    calibration_data,
+    extended,  # noqa: F811
+    tmp_path,
+    metric,
+):
+    config = merge_config(tiny_family, calibration_data)
+    config["surgery"]["tasks"] = config["surgery"]["tasks"][:1]
+    config["surgery"]["tasks"][0]["target"] = str(extended / "math_plus")
+    config["surgery"].update(target_vocab="prefix", select=select(metric=metric))
+    message = refuse(config, tmp_path / "out")
+    assert "vocab_size" in message and "select metric rho_l1" in message
+
+
+def test_task_values_win_over_the_block_and_candidates_inherit_the_task():
+    base = {"target": "t", "calibration": {"path": "p.jsonl"}}
+    config = parse_surgery(
+        {
+            "loss": "l1",
+            "select": select(holdout=0.25),
+            "tasks": [
+                {"name": "a", **base, "rank": 4},  # the block's select and its holdout
+                {"name": "b", **base, "holdout": 0.1},  # the block's select, its own holdout
+                {"name": "c", **base, "select": {"candidates": [{"lr": 0.01}], "metric": "kl"}},
+            ],
+        }
+    )
+    a, b, c = resolve_tasks(config)
+    assert (a.holdout, a.holdout_key) == (0.25, "surgery.select.holdout")
+    assert (b.holdout, b.holdout_key) == (0.1, "surgery.tasks[1].holdout")
+    assert (
+        c.holdout == 0.2 and c.select.metric == "kl" and c.select_key == "surgery.tasks[2].select"
+    )
+    assert [(x.module, x.loss, x.rank) for x in a.candidates()] == [
+        ("standard", "l1", 4),
+        ("pos_corr", "l1", 4),
+        ("pos_corr", "ewl1", 4),
+    ]
+    assert [(x.loss, x.lr) for x in c.candidates()] == [("l1", 0.01)]
+    assert (
+        a.needs_logits
+        and not resolve_tasks(
+            parse_surgery({"select": select(metric="rho_l1"), "tasks": [{"name": "x", **base}]})
+        )[0].needs_logits
+    )
+
+
+def test_block_with_holdout_and_select_is_refused():
+    base = {"name": "a", "target": "t", "calibration": {"path": "p.jsonl"}}
+    with pytest.raises(Exception, match="surgery.holdout: surgery.select.holdout sets"):
+        parse_surgery({"holdout": 0.3, "select": select(), "tasks": [base]})
