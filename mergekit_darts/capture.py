@@ -32,7 +32,7 @@ class Captured:
     @property
     def nbytes(self) -> int:
         tensors = (self.hidden, self.mask, self.entropy)
-        tensors += tuple(self.head.tensors().values()) if self.head is not None else ()
+        tensors += (self.head.weight, self.head.bias) if self.head is not None else ()
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

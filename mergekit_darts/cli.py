@@ -62,14 +62,26 @@ def merge(
     show_default=True,
     help="Add the surgery section to OUT_PATH/README.md.",
 )
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    help="Capture store on disk (overrides the block's cache_dir): a re-run loads no model "
+    "whose captures are there.",
+)
 def calibrate(
-    out_path: str, surgery_yml: str, overwrite: bool, quiet: bool, write_model_card: bool
+    out_path: str,
+    surgery_yml: str,
+    overwrite: bool,
+    quiet: bool,
+    write_model_card: bool,
+    cache_dir: str | None,
 ) -> None:
     """Add (or with --overwrite redo) surgery on the merged folder OUT_PATH.
 
     SURGERY_YML is a merge YAML with a `surgery:` block, or the block alone.
     """
     from .pipeline import run_surgery
+    from .store import CaptureStore
 
     run_surgery(
         out_path,
@@ -77,6 +89,7 @@ def calibrate(
         overwrite=overwrite,
         progress=not quiet,
         write_card=write_model_card,
+        store=CaptureStore(cache_dir) if cache_dir else None,
     )
 
 

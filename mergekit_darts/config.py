@@ -162,6 +162,7 @@ class SurgeryConfig(_Block):
     cache_dtype: CacheDtype = "bfloat16"
     trust_remote_code: StrictBool = False
     target_vocab: TargetVocab = "exact"
+    cache_dir: str | None = None  # capture store on disk (mergekit_darts.store); off by default
     holdout: Fraction | None = None
     select: SelectConfig | None = None
     tasks: list[TaskConfig] = Field(min_length=1)

@@ -179,3 +179,15 @@ def tokenize_prompts(
             raise SurgeryConfigError(f"{key}: prompt {index} tokenizes to nothing")
         sequences.append(list(ids))
     return sequences
+
+
+def calibration_ids(task: ResolvedTask, texts: Sequence[str], tokenizer: Any) -> list[list[int]]:
+    """A task's prompt token ids, leaving room for its completion inside ``max_length``."""
+    cal = task.calibration
+    return tokenize_prompts(
+        tokenizer,
+        texts,
+        max_length=cal.max_length - cal.continuation_tokens,
+        chat_template=cal.chat_template,
+        key=f"{task.key}.calibration",
+    )

@@ -131,32 +131,33 @@ class OutputHead:
             "mergekit-darts does not know; use loss l1 or ewl1 and no select"
         )
 
-    # ---- storage (safetensors tensors + a small JSON config) ------------------------------------
+    # ---- storage: safetensors tensors, the small config as UTF-8 JSON bytes ----------------------
 
     def tensors(self, prefix: str = "head.") -> dict[str, torch.Tensor]:
-        out = {f"{prefix}weight": self.weight.contiguous()}
+        config = {
+            "scale": self.scale,
+            "softcap": self.softcap,
+            "model_class": self.model_class,
+            "verified": self.verified,
+            "max_error": self.max_error,
+        }
+        text = json.dumps(config, sort_keys=True).encode("utf-8")
+        out = {
+            f"{prefix}weight": self.weight.contiguous(),
+            f"{prefix}config": torch.tensor(list(text), dtype=torch.uint8),
+        }
         if self.bias is not None:
             out[f"{prefix}bias"] = self.bias.contiguous()
         return out
 
-    def config(self) -> str:
-        return json.dumps(
-            {
-                "scale": self.scale,
-                "softcap": self.softcap,
-                "model_class": self.model_class,
-                "verified": self.verified,
-                "max_error": self.max_error,
-            },
-            sort_keys=True,
-        )
-
     @classmethod
-    def from_tensors(
-        cls, tensors: dict[str, torch.Tensor], config: str, prefix: str = "head."
-    ) -> OutputHead:
-        return cls(
-            weight=tensors[f"{prefix}weight"],
-            bias=tensors.get(f"{prefix}bias"),
-            **json.loads(config),
-        )
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str = "head.") -> OutputHead:
+        """The head :meth:`tensors` wrote; raises KeyError / ValueError on anything else."""
+        config = json.loads(bytes(tensors[f"{prefix}config"].tolist()).decode("utf-8"))
+        weight, bias = tensors[f"{prefix}weight"], tensors.get(f"{prefix}bias")
+        if weight.dim() != 2 or (bias is not None and tuple(bias.shape) != weight.shape[:1]):
+            raise ValueError("head tensors of inconsistent shapes")
+        try:
+            return cls(weight=weight.to(torch.float32), bias=bias, **config)
+        except TypeError as err:  # a config with other keys: not ours
+            raise ValueError(f"not a head config: {err}") from None

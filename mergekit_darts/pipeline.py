@@ -1,16 +1,18 @@
 """``run_surgery``: calibrate one surgery module per task on a merged folder and save them there.
 
-Resource contract (DESIGN.md): one full model in memory at a time and K + 1 model loads for K
-tasks. Each target is loaded in turn (it may first extend its prompts with its own greedy
-completion, which is why targets come first), its hidden states and entropies are cached, and it
-is freed; then the merged model is loaded once and run over every task's token sequences; then
-each module is trained on the cached states. Nothing is written until every task has succeeded,
+Resource contract (DESIGN.md): one full model in memory at a time, and one load per distinct
+model: K tasks naming T distinct targets cost T + 1 loads, and none whose captures the
+:mod:`~mergekit_darts.store` already holds. Each target is loaded in turn (it may first extend its
+prompts with its own greedy completion, which is why targets come first), its hidden states and
+entropies are captured once per distinct token sequence set, and it is freed; then the merged
+model is loaded once and run over every task's sequences; then each module is trained on the
+cached states. Nothing is written until every task has succeeded,
 and then ``surgery/`` appears in one rename, so a failure leaves the merged folder as it was.
 """
 
 from __future__ import annotations
 
-import gc
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -22,17 +24,14 @@ from typing import Any
 import torch
 import yaml
 from safetensors.torch import save as safetensors_bytes
-from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .artifacts import read_manifest, write_surgery_folder
-from .capture import Captured, capture
+from .capture import Captured
 from .card import print_summary, update_model_card
 from .config import (
     ResolvedTask,
     SurgeryConfig,
     SurgeryConfigError,
-    SurgeryError,
     calibration_file,
     check_holdout,
     check_output,
@@ -40,23 +39,31 @@ from .config import (
     model_shape,
     parse_surgery,
     read_surgery_file,
-    resolve_device,
     resolve_tasks,
 )
-from .continuation import continue_prompts, eos_token_ids, tokens_sha256
-from .data import Prompts, load_prompts, tokenize_prompts
+from .continuation import tokens_sha256
+from .data import Prompts, calibration_ids, load_prompts
 from .head import HeadError
 from .metrics import rho_from_deltas
-from .modules import build_module
+from .modules import SurgeryModule, build_module
 from .selection import HeldOut, choose, held_out_metrics, holdout_split
+from .store import (
+    Calibration,
+    CaptureStore,
+    Runtime,
+    SurgeryRunError,
+    capture_merged,
+    capture_target,
+    group_by_target,
+    merged_tokenizer,
+    stage,
+)
 from .train import TrainResult, TrainSettings, evaluate, in_rows, train_surgery
 
 SURGERY_YAML = "surgery.yml"
 LOSS_CURVE_POINTS = 200  # the manifest keeps at most this many points of each loss curve
 
-
-class SurgeryRunError(SurgeryError, RuntimeError):
-    """Surgery failed after validation; the message names the task and the stage."""
+__all__ = ["SurgeryRunError", "capture_tasks", "prepare_surgery", "run_prepared", "run_surgery"]
 
 
 @dataclass(frozen=True)
@@ -153,12 +160,14 @@ def run_surgery(
     overwrite: bool = False,
     progress: bool = True,
     write_card: bool = True,
+    store: CaptureStore | None = None,
 ) -> dict[str, Any]:
     """Calibrate and save ``merged_path/surgery/``; returns the manifest as written.
 
     ``surgery_config`` is the block (a mapping or a ``SurgeryConfig``) or a YAML file holding a
     merge config with ``surgery:`` or just the block. An existing ``surgery/`` is replaced only
-    with ``overwrite``. ``write_card`` appends the surgery section to ``README.md``.
+    with ``overwrite``. ``write_card`` appends the surgery section to ``README.md``. ``store``
+    (default: a fresh one on the block's ``cache_dir``) lends captures made earlier.
     """
     merged = Path(merged_path)
     if not (merged / "config.json").is_file():
@@ -172,7 +181,7 @@ def run_surgery(
         out_path=merged,
         overwrite=overwrite,
     )
-    return run_prepared(merged, prepared, progress=progress, write_card=write_card)
+    return run_prepared(merged, prepared, progress=progress, write_card=write_card, store=store)
 
 
 def run_prepared(
@@ -181,21 +190,31 @@ def run_prepared(
     *,
     progress: bool = True,
     write_card: bool = True,
+    store: CaptureStore | None = None,
 ) -> dict[str, Any]:
     """The expensive part of :func:`run_surgery`, for a block ``prepare_surgery`` has checked."""
     started = time.perf_counter()
     merged = Path(merged_path)
-    captured = capture_tasks(merged, prepared, progress=progress)
+    store = store if store is not None else CaptureStore(prepared.config.cache_dir)
+    stats = dataclasses.replace(store.stats)
+    captured = capture_tasks(merged, prepared, progress=progress, store=store)
     for run in captured.runs:
         _train_phase(run, captured.env)
     with _stage(None, f"writing {merged / 'surgery'}"):
         written = _write(
-            captured.runs, merged, prepared, captured.env, captured.load_merged_s, started
+            captured.runs,
+            merged,
+            prepared,
+            captured.env,
+            captured.load_merged_s,
+            started,
+            store.stats.since(stats),
         )
     if write_card:
         update_model_card(merged, written)
     if progress:
         print_summary(written)
+        print(store.summary())
     return written
 
 
@@ -209,118 +228,76 @@ class CapturedTasks:
 
 
 def capture_tasks(
-    merged_path: str | Path, prepared: PreparedSurgery, *, progress: bool = True
+    merged_path: str | Path,
+    prepared: PreparedSurgery,
+    *,
+    progress: bool = True,
+    store: CaptureStore | None = None,
 ) -> CapturedTasks:
-    """Targets one at a time (completions first, if asked), then the merged model once."""
+    """Targets one at a time (completions first, if asked), then the merged model once.
+
+    Captures come from ``store`` when it has them; a model is loaded only for what it lacks.
+    """
     merged = Path(merged_path)
     config = prepared.config
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            merged, trust_remote_code=config.trust_remote_code
-        )
-    except Exception as err:  # no tokenizer files, or unreadable ones
-        raise SurgeryConfigError(
-            f"{merged} has no usable tokenizer ({type(err).__name__}); calibration tokenizes "
-            "with the merged model's tokenizer: copy one into the folder"
-        ) from err
-    env = _Env(
-        config,
-        resolve_device(config.device),
-        tokenizer,
-        _pad_id(tokenizer),
-        getattr(torch, config.cache_dtype),
-        progress,
-    )
+    store = store if store is not None else CaptureStore(config.cache_dir)
+    tokenizer = merged_tokenizer(merged, config.trust_remote_code)
+    runtime = Runtime.of(config, tokenizer, progress)
+    env = _Env(config, runtime.device, tokenizer, runtime.pad_id, runtime.cache_dtype, progress)
     runs = [
-        _TaskRun(task, prepared.prompts[task.name], _tokenize(task, prepared, tokenizer))
+        _TaskRun(
+            task,
+            prepared.prompts[task.name],
+            calibration_ids(task, prepared.prompts[task.name].texts, tokenizer),
+        )
         for task in prepared.tasks
     ]
+    calibrations = {
+        run.task.name: Calibration.of(run.task, run.prompt_ids, prepared.targets[run.task.name])
+        for run in runs
+    }
+    for target, group in group_by_target(list(calibrations.values())).items():
+        _target_phase(store, target, group, runtime)
+    _merged_phase(store, merged, list(calibrations.values()), runtime)
+    load_merged_s = 0.0
     for run in runs:
-        _target_phase(run, prepared.targets[run.task.name], env)
-    load_merged_s = _merged_phase(runs, merged, env)
+        cal = calibrations[run.task.name]
+        load_merged_s += cal.timings.pop("load_merged_s", 0.0)
+        run.sequences, run.completions, run.completion_mask = (
+            cal.sequences,
+            cal.completions,
+            cal.completion_mask,
+        )
+        run.target, run.merged = cal.target, cal.merged
+        run.timings.update(cal.timings)
+        _check_completions(run)
     return CapturedTasks(runs, env, load_merged_s)
 
 
-def _tokenize(task: ResolvedTask, prepared: PreparedSurgery, tokenizer: Any) -> list[list[int]]:
-    """Prompt token ids, leaving room for the completion inside ``max_length``."""
-    cal = task.calibration
-    return tokenize_prompts(
-        tokenizer,
-        prepared.prompts[task.name].texts,
-        max_length=cal.max_length - cal.continuation_tokens,
-        chat_template=cal.chat_template,
-        key=f"{task.key}.calibration",
-    )
+def _check_completions(run: _TaskRun) -> None:
+    if run.task.loss_positions == "completion" and not run.completion_mask.any():
+        raise SurgeryRunError(
+            f"surgery task {run.task.name!r}: the target ended every completion at once (EOS "
+            "first), so loss_positions: completion has no token to train on; use "
+            "loss_positions: all"
+        )
 
 
 # ---- the three phases ----------------------------------------------------------------------------
 
 
-def _target_phase(run: _TaskRun, target: str, env: _Env) -> None:
-    task, name = run.task, run.task.name
-    with _stage(name, f"loading target {task.target}"), _timer(run.timings, "load_target_s"):
-        model = _load_model(target, env)
-    run.sequences = run.prompt_ids
-    if task.calibration.continuation_tokens:
-        with _stage(name, "generating the target's completions"), _timer(run.timings, "generate_s"):
-            continued = continue_prompts(
-                model,
-                run.prompt_ids,
-                max_new_tokens=task.calibration.continuation_tokens,
-                eos_ids=eos_token_ids(model, env.tokenizer),
-                pad_id=env.pad_id,
-                batch_size=task.batch_size,
-                progress=env.progress,
-                desc=f"{name}: generate",
-            )
-        run.sequences, run.completions = continued.sequences, continued.completions
-        run.completion_mask = continued.mask
-        if task.loss_positions == "completion" and not continued.mask.any():
-            raise SurgeryRunError(
-                f"surgery task {name!r}: the target ended every completion at once (EOS first), "
-                "so loss_positions: completion has no token to train on; use loss_positions: all"
-            )
-    with (
-        _stage(name, "capturing the target's hidden states"),
-        _timer(run.timings, "capture_target_s"),
-    ):
-        # entropy always: the target computes its logits anyway, and the report plots it
-        run.target = _capture(model, run, env, with_entropy=True, desc="target")
-    del model
-    _release(env.device)
+def _target_phase(
+    store: CaptureStore, target: str, group: list[Calibration], runtime: Runtime
+) -> None:
+    """Load ``target`` (once, and only if the store lacks a capture) for every task naming it."""
+    capture_target(store, target, group, runtime)
 
 
-def _merged_phase(runs: list[_TaskRun], merged: Path, env: _Env) -> float:
-    """Load the merged model once and capture every task's sequences; returns the load time."""
-    timings: dict[str, float] = {}
-    with _stage(None, f"loading the merged model {merged}"), _timer(timings, "load"):
-        model = _load_model(str(merged), env)
-    for run in runs:
-        with (
-            _stage(run.task.name, "capturing the merged model's hidden states"),
-            _timer(run.timings, "capture_merged_s"),
-        ):
-            run.merged = _capture(model, run, env, with_entropy=False, desc="merged")
-    del model
-    _release(env.device)
-    return timings["load"]
-
-
-def _capture(
-    model: nn.Module, run: _TaskRun, env: _Env, *, with_entropy: bool, desc: str
-) -> Captured:
-    return capture(
-        model,
-        run.sequences,
-        batch_size=run.task.batch_size,
-        with_entropy=with_entropy,
-        with_head=run.task.needs_head,
-        cache_dtype=env.cache_dtype,
-        cache_device=env.device,
-        pad_id=env.pad_id,
-        desc=f"{run.task.name}: {desc}",
-        progress=env.progress,
-    )
+def _merged_phase(
+    store: CaptureStore, merged: Path, calibrations: list[Calibration], runtime: Runtime
+) -> None:
+    """Load the merged model (once, and only if needed) and capture every task's sequences."""
+    capture_merged(store, str(merged), calibrations, runtime)
 
 
 def _train_phase(run: _TaskRun, env: _Env) -> None:
@@ -368,7 +345,7 @@ def _fit(run: _TaskRun, task: ResolvedTask, env: _Env, rows: torch.Tensor | None
     )
 
 
-def _select(run: _TaskRun, env: _Env) -> tuple[ResolvedTask, nn.Module]:
+def _select(run: _TaskRun, env: _Env) -> tuple[ResolvedTask, SurgeryModule]:
     """Every candidate on the training rows, scored on the held-out rows; returns the best."""
     task, select = run.task, run.task.select
     counted = in_rows(_loss_mask(run, task), run.held_rows)
@@ -397,7 +374,7 @@ def _settings(task: ResolvedTask) -> dict[str, Any]:
     return {key: getattr(task, key) for key in (*keys, "loss_positions")}
 
 
-def _held_out_entry(run: _TaskRun, module: nn.Module, *, saved: bool) -> dict[str, Any]:
+def _held_out_entry(run: _TaskRun, module: SurgeryModule, *, saved: bool) -> dict[str, Any]:
     """Manifest ``held_out``: metrics before/after on every held-out token and on completions."""
     real = run.merged.mask
     sets = {"all": real}
@@ -449,6 +426,7 @@ def _write(
     env: _Env,
     load_merged_s: float,
     started: float,
+    captures: dict[str, int],
 ) -> dict[str, Any]:
     """Modules, manifest, diagnostics and the block, in one atomic folder; returns the manifest."""
     trust = env.config.trust_remote_code
@@ -464,6 +442,7 @@ def _write(
             "load_merged_s": round(load_merged_s, 3),
             "total_s": round(time.perf_counter() - started, 3),
         },
+        "captures": captures,  # model loads, and captures computed or taken from the store
         "tasks": {run.task.name: _task_entry(run) for run in runs},
     }
     block = yaml.safe_dump({"surgery": dict(prepared.block)}, sort_keys=False)
@@ -587,45 +566,7 @@ def _versions() -> dict[str, str]:
 # ---- small helpers -------------------------------------------------------------------------------
 
 
-def _load_model(path: str, env: _Env) -> nn.Module:
-    """One full model in the dtype its config records (the merge's ``dtype`` for the merge)."""
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype="auto",
-        device_map=env.config.device_map or env.device,
-        trust_remote_code=env.config.trust_remote_code,
-    )
-    return model.eval()
-
-
-def _release(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-def _pad_id(tokenizer: Any) -> int:
-    """A filler id for padded slots (masked out everywhere, so any real id will do)."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if isinstance(candidate, int):
-            return candidate
-    return 0
-
-
-@contextmanager
-def _stage(task: str | None, stage: str) -> Iterator[None]:
-    """Turn any failure into one line naming the task and what it was doing."""
-    try:
-        yield
-    except SurgeryError:
-        raise
-    except Exception as err:
-        who = f"surgery task {task!r}" if task else "surgery"
-        detail = " ".join(f"{type(err).__name__}: {err}".split())[:400]
-        raise SurgeryRunError(
-            f"{who} failed while {stage}: {detail}; the merged model and any existing surgery/ "
-            "folder are unchanged"
-        ) from err
+_stage = stage
 
 
 @contextmanager

@@ -100,36 +100,51 @@ def bias_growth(delta: np.ndarray, mask: np.ndarray) -> float | None:
 def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict[str, Diagnostics]:
     """Rebuild every task's diagnostics (with entropy) from ``surgery/surgery.yml``'s data.
 
-    Targets load one at a time (prompt completions are regenerated greedily, as in calibration),
-    then the merged model once; relative paths resolve from the working directory, as when the
-    surgery ran. Prompts whose sha256 differ from the manifest are reported in the notes.
+    Captures come through the capture store (the block's ``cache_dir``, when it has one, makes
+    this load no model); otherwise targets load one at a time (prompt completions regenerated
+    greedily, as in calibration), then the merged model once. Relative paths resolve from the
+    working directory, as when the surgery ran. Prompts whose sha256 differ from the manifest are
+    reported in the notes.
     """
-    from .pipeline import capture_tasks, prepare_surgery
+    from .config import check_targets, parse_surgery, read_surgery_file, resolve_tasks
+    from .data import calibration_ids, load_prompts
+    from .store import Calibration, CaptureStore, Runtime, capture_calibration, merged_tokenizer
     from .train import evaluate
 
     surgery_dir = merged / "surgery"
-    prepared = prepare_surgery(
-        surgery_dir / manifest.get("config", "surgery.yml"),
-        reference=str(merged.resolve()),
-        reference_label=f"merged model {merged}",
-        out_path=merged,
-        overwrite=True,
+    config = parse_surgery(read_surgery_file(surgery_dir / manifest.get("config", "surgery.yml")))
+    tasks = resolve_tasks(config)
+    targets = check_targets(
+        tasks,
+        str(merged.resolve()),
+        f"merged model {merged}",
+        trust_remote_code=config.trust_remote_code,
+        target_vocab=config.target_vocab,
     )
+    tokenizer = merged_tokenizer(merged, config.trust_remote_code)
+    prompts = {task.name: load_prompts(task) for task in tasks}
+    calibrations = [
+        Calibration.of(
+            task, calibration_ids(task, prompts[task.name].texts, tokenizer), targets[task.name]
+        )
+        for task in tasks
+    ]
+    runtime = Runtime.of(config, tokenizer, progress)
+    capture_calibration(CaptureStore(config.cache_dir), str(merged), calibrations, runtime)
     out = {}
-    for run in capture_tasks(merged, prepared, progress=progress).runs:
-        task = run.task
+    for task, cal in zip(tasks, calibrations, strict=True):
         module = load_surgery(surgery_dir, task.name)
-        before, after, _ = evaluate(module, run.merged, run.target, run.merged.mask)
-        mask = run.merged.mask.cpu()
-        completion = run.completion_mask
+        before, after, _ = evaluate(module, cal.merged, cal.target, cal.merged.mask)
+        mask = cal.merged.mask.cpu()
+        completion = cal.completion_mask
         loss_mask = mask & completion.cpu() if task.loss_positions == "completion" else mask
-        notes = _hash_notes(run.prompts.sha256, manifest["tasks"].get(task.name, {}))
+        notes = _hash_notes(prompts[task.name].sha256, manifest["tasks"].get(task.name, {}))
         out[task.name] = Diagnostics(
             delta_before=plots.as_array(before),
             delta_after=plots.as_array(after),
             mask=plots.as_array(mask) > 0,
             loss_mask=plots.as_array(loss_mask) > 0,
-            entropy=plots.as_array(run.target.entropy),
+            entropy=plots.as_array(cal.target.entropy),
             notes=["Diagnostics recomputed from the calibration data and models.", *notes],
         )
     return out

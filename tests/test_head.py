@@ -137,7 +137,7 @@ def test_unknown_output_path_refuses_logit_losses_but_not_l1(tiny_family):
 def test_head_survives_storage_as_tensors():
     head = OutputHead.of(_phi(0))
     head.verified, head.max_error = True, 1e-7
-    again = OutputHead.from_tensors(head.tensors(), head.config())
+    again = OutputHead.from_tensors(head.tensors())
     assert torch.equal(again.weight, head.weight) and torch.equal(again.bias, head.bias)
     assert (again.scale, again.softcap, again.model_class, again.verified) == (
         1.0,

@@ -154,3 +154,18 @@ def test_logit_features_refuse_an_output_path_they_do_not_know(
     block["tasks"][0]["select"] = {"candidates": CANDIDATES[:2], "metric": "rho_l1"}
     manifest = run_surgery(folders["merged"], block, progress=False)  # l1 / ewl1 by rho_L1: fine
     assert manifest["tasks"]["math"]["held_out"]["all"]["agreement_after"] is None
+
+
+def test_selection_reads_heads_back_from_the_disk_store(
+    tiny_family, calibration_data, tiny_merged, tmp_path
+):
+    select = {"candidates": CANDIDATES[:2], "metric": "kl"}
+    block = _block(tiny_family, calibration_data, select=select) | {
+        "cache_dir": str(tmp_path / "cache")
+    }
+    merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+    first = run_surgery(merged, block, progress=False)
+    second = run_surgery(merged, block, progress=False, overwrite=True)  # every capture from disk
+    assert second["captures"]["from_disk"] == 2 and second["captures"]["model_loads"] == 0
+    assert second["tasks"]["math"]["selection"] == first["tasks"]["math"]["selection"]
+    assert first["tasks"]["math"]["held_out"]["all"]["kl_after"] is not None

@@ -1,0 +1,166 @@
+"""The capture store: one load per distinct model, none when warm, and never a stale or broken entry.
+
+Loads are counted with a wrapper around ``AutoModelForCausalLM.from_pretrained`` that still calls
+the real function; every run below is the real ``run_surgery`` on tiny real models.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import save_model
+from transformers import AutoModelForCausalLM
+
+from mergekit_darts import run_surgery
+from mergekit_darts.store import CaptureStore, model_identity, sequences_sha256
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list[str]:
+    """Folder names of every model ``from_pretrained`` loads (the real function runs)."""
+    loaded: list[str] = []
+    original = AutoModelForCausalLM.from_pretrained
+
+    def counting(path, *args, **kwargs):
+        loaded.append(Path(path).name)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counting)
+    return loaded
+
+
+@pytest.fixture
+def family(tiny_family, tiny_merged, calibration_data, tmp_path) -> dict[str, Path]:
+    """Copies of the merge and both experts (tests rewrite them) and the calibration files."""
+    return {
+        "merged": Path(shutil.copytree(tiny_merged, tmp_path / "merged")),
+        "math": Path(shutil.copytree(tiny_family.math, tmp_path / "math")),
+        "code": Path(shutil.copytree(tiny_family.code, tmp_path / "code")),
+        "data": calibration_data,
+    }
+
+
+def block(family: dict[str, Path], cache_dir: Path | None = None) -> dict:
+    """Three tasks over two targets: math twice (l1 and ewl1, one set of prompts), code once."""
+    calibration = {"field": "question", "num_samples": 6, "max_length": 16}
+    tasks = [
+        {"name": "math", "target": str(family["math"]), "loss": "l1"},
+        {"name": "math_ewl1", "target": str(family["math"]), "eval_tasks": ["m2"]},
+        {"name": "code", "target": str(family["code"]), "module": "standard"},
+    ]
+    for task in tasks:
+        source = "code" if task["name"] == "code" else "math"
+        task["calibration"] = {"path": str(family["data"] / f"{source}.jsonl"), **calibration}
+    config = {"steps": 6, "batch_size": 4, "rank": 4, "max_positions": 16, "tasks": tasks}
+    config["cache_dtype"] = "float32"
+    if cache_dir is not None:
+        config["cache_dir"] = str(cache_dir)
+    return config
+
+
+def module_bytes(merged: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((merged / "surgery").glob("*.safetensors"))}
+
+
+def test_shared_target_loads_once_and_a_warm_store_loads_nothing(family, loads, tmp_path):
+    cache = tmp_path / "cache"
+    first = run_surgery(family["merged"], block(family, cache), progress=False)
+    assert loads == ["math", "code", "merged"]  # distinct targets + 1, not tasks + 1
+    assert first["captures"]["model_loads"] == 3
+    cold = module_bytes(family["merged"])
+    loads.clear()
+    second = run_surgery(family["merged"], block(family, cache), overwrite=True, progress=False)
+    assert loads == []  # every capture came from disk
+    assert second["captures"]["from_disk"] > 0 and second["captures"]["computed"] == 0
+    assert module_bytes(family["merged"]) == cold  # the store changes no number
+
+
+def test_sharing_and_the_store_change_no_byte(family, tmp_path):
+    """Each task alone in its own block, no store: the same module bytes as the shared run."""
+    config = block(family)
+    run_surgery(family["merged"], config, progress=False)
+    shared = module_bytes(family["merged"])
+    for task in config["tasks"]:
+        alone = Path(shutil.copytree(family["merged"], tmp_path / f"alone-{task['name']}"))
+        shutil.rmtree(alone / "surgery")
+        run_surgery(alone, {**config, "tasks": [task]}, progress=False)
+        name = f"{task['name']}.safetensors"
+        assert module_bytes(alone)[name] == shared[name], name
+
+
+def rewrite_weights(folder: Path, seed: int) -> None:
+    """Same architecture and file name, other weights (what a re-run fine-tune leaves behind)."""
+    from transformers import AutoTokenizer
+
+    save_model(folder, AutoTokenizer.from_pretrained(folder), seed=seed)
+
+
+def test_changed_weights_or_tokenizer_mean_a_new_key(family, loads, tmp_path):
+    cache = tmp_path / "cache"
+    run_surgery(family["merged"], block(family, cache), progress=False)
+    before = module_bytes(family["merged"])
+    key = model_identity(str(family["math"]))
+    rewrite_weights(family["math"], seed=7)
+    assert model_identity(str(family["math"])) != key
+    loads.clear()
+    run_surgery(family["merged"], block(family, cache), overwrite=True, progress=False)
+    assert loads == ["math"]  # code and the merge still come from disk
+    after = module_bytes(family["merged"])
+    assert after["math.safetensors"] != before["math.safetensors"]
+    assert after["code.safetensors"] == before["code.safetensors"]
+
+    config = json.loads((family["code"] / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 77  # any tokenizer change: new key
+    (family["code"] / "tokenizer_config.json").write_text(json.dumps(config))
+    loads.clear()
+    run_surgery(family["merged"], block(family, cache), overwrite=True, progress=False)
+    assert loads == ["code"]
+
+
+def test_card_and_surgery_do_not_change_a_models_key(family):
+    key = model_identity(str(family["merged"]))
+    run_surgery(family["merged"], block(family), progress=False)  # writes surgery/ and README.md
+    assert model_identity(str(family["merged"])) == key
+    assert model_identity("org/some-model") == "hub:org/some-model"
+
+
+def test_corrupt_or_partial_entry_is_recomputed_never_used(family, loads, tmp_path):
+    cache = tmp_path / "cache"
+    run_surgery(family["merged"], block(family, cache), progress=False)
+    good = module_bytes(family["merged"])
+    entries = sorted((cache / "captures").glob("*.safetensors"))
+    # math (one capture for its two tasks), code, and the merge once: both files hold one prompt set
+    assert len(entries) == 3
+    for entry in entries:
+        data = entry.read_bytes()
+        entry.write_bytes(data[: len(data) // 2])  # a kill mid-write without the rename
+    loads.clear()
+    run_surgery(family["merged"], block(family, cache), overwrite=True, progress=False)
+    assert loads == ["math", "code", "merged"]
+    assert module_bytes(family["merged"]) == good
+    for entry in entries:  # rewritten whole
+        assert set(load_file(entry)) >= {"hidden", "mask"}
+    assert not list(cache.rglob(".*tmp*"))
+
+
+def test_entry_that_does_not_fit_its_sequences_is_a_miss(tmp_path):
+    store = CaptureStore(tmp_path)
+    from mergekit_darts.capture import Captured
+
+    hidden = torch.ones(2, 3, 4)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    store.put("k", Captured(hidden, mask), persist=True)
+    fresh = CaptureStore(tmp_path)
+    assert fresh.get("k", [3, 2], torch.float32, "cpu") is not None
+    assert CaptureStore(tmp_path).get("k", [3, 3], torch.float32, "cpu") is None  # wrong lengths
+    assert not (tmp_path / "captures" / "k.safetensors").exists()  # discarded
+    store.put("k", Captured(hidden, mask), persist=True)
+    needs_entropy = CaptureStore(tmp_path).get("k", [3, 2], torch.float32, "cpu", (True, False))
+    assert needs_entropy is None  # an entry without entropy cannot serve a target
+    assert sequences_sha256([[1, 2], [3]]) != sequences_sha256([[1], [2, 3]])
+    assert "MiB" in store.summary() and "1 entries" in store.summary()
