@@ -346,27 +346,39 @@ def _fit(run: _TaskRun, task: ResolvedTask, env: _Env, rows: torch.Tensor | None
 
 
 def _select(run: _TaskRun, env: _Env) -> tuple[ResolvedTask, SurgeryModule]:
-    """Every candidate on the training rows, scored on the held-out rows; returns the best."""
+    """Every candidate on the training rows, scored on the held-out rows; returns the best.
+
+    The score covers the task's loss positions; with completions each candidate is also
+    measured on the completion tokens alone (recorded, not used for the choice).
+    """
     task, select = run.task, run.task.select
     counted = in_rows(_loss_mask(run, task), run.held_rows)
-    candidates, scored = task.candidates(), []
+    completion = None
+    if run.completion_mask is not None:
+        completion = in_rows(
+            run.merged.mask & run.completion_mask.to(counted.device), run.held_rows
+        )
+    candidates, results, entries = task.candidates(), [], []
     for candidate in candidates:
         result = _fit(run, candidate, env, run.train_rows)
-        scored.append((result, held_out_metrics(result.module, run.merged, run.target, counted)))
-    chosen = choose([held.summary()[select.metric] for _, held in scored], select.metric)
-    run.result = scored[chosen][0]
+        held = held_out_metrics(result.module, run.merged, run.target, counted).summary()
+        if completion is not None and completion.any():
+            held["completion"] = held_out_metrics(
+                result.module, run.merged, run.target, completion
+            ).summary()
+        results.append(result)
+        entries.append({**_settings(candidate), "held_out": held, "final_loss": result.final_loss})
+    chosen = choose([e["held_out"][select.metric] for e in entries], select.metric)
+    run.result = results[chosen]
     run.selection = {
         "metric": select.metric,
         "holdout": task.holdout,
         "holdout_sha256": _held_sha256(run),
         "refit": select.refit,
-        "candidates": [
-            {**_settings(c), "held_out": held.summary(), "final_loss": result.final_loss}
-            for c, (result, held) in zip(candidates, scored, strict=True)
-        ],
+        "candidates": entries,
         "chosen": chosen,
     }
-    return candidates[chosen], scored[chosen][0].module
+    return candidates[chosen], results[chosen].module
 
 
 def _settings(task: ResolvedTask) -> dict[str, Any]:

@@ -1,13 +1,15 @@
 """The demo's merge YAMLs: four mergekit methods, each with one `surgery:` block.
 
 One block holds every surgery variant the table compares, as separate tasks with overrides
-(`code` = DARTS, `code_std` = Standard + L1, `code_pos_l1` = pos_corr + L1, `_cont` = calibrated on the target's own
-completions), so a single stock `mergekit-yaml` run per method produces all of them.
+(`code` = DARTS, `code_std` = Standard + L1, `code_pos_l1` = pos_corr + L1, `_cont` = calibrated on
+the target's own completions, `_select` = the best of the three by held-out agreement), so a
+single stock `mergekit-yaml` run per method produces all of them.
 Paths are written relative to the working directory, the way mergekit resolves `model:`.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,20 +37,37 @@ class Variant:
     overrides: dict[str, Any]
     continuation_tokens: int = 0
 
+    @property
+    def selects(self) -> bool:
+        return "select" in self.overrides
+
 
 CONTINUATION_TOKENS = 32
+STANDARD_L1 = {"module": "standard", "loss": "l1"}
+POS_CORR_L1 = {"module": "pos_corr", "loss": "l1"}
+DARTS = {"module": "pos_corr", "loss": "ewl1"}
+# the fixed variants above each `select` row, as its candidates: they train on the same captures
+SELECT = {"candidates": [STANDARD_L1, POS_CORR_L1, DARTS], "holdout": 0.2, "metric": "agreement"}
 VARIANTS: tuple[Variant, ...] = (
-    Variant("Standard + L1 (Yang et al.)", "_std", {"module": "standard", "loss": "l1"}),
-    Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", {"loss": "l1"}),
+    Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1),
+    Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", POS_CORR_L1),
     Variant("DARTS (pos_corr + EWL1)", "", {}),
-    Variant(
-        "Standard + L1, +completions",
-        "_std_cont",
-        {"module": "standard", "loss": "l1"},
-        CONTINUATION_TOKENS,
-    ),
+    Variant("select (best of the 3 above by held-out agreement)", "_select", {"select": SELECT}),
+    Variant("Standard + L1, +completions", "_std_cont", STANDARD_L1, CONTINUATION_TOKENS),
+    Variant("pos_corr + L1, +completions", "_pos_l1_cont", POS_CORR_L1, CONTINUATION_TOKENS),
     Variant("DARTS, +completions", "_cont", {}, CONTINUATION_TOKENS),
+    Variant("select, +completions", "_select_cont", {"select": SELECT}, CONTINUATION_TOKENS),
 )
+
+
+def fixed_variant(candidate: dict[str, Any], continuation_tokens: int) -> Variant:
+    """The fixed variant a select candidate trains exactly like (same settings, same captures)."""
+    for variant in VARIANTS:
+        settings = {**DARTS, **variant.overrides}
+        same = all(settings.get(k) == candidate[k] for k in ("module", "loss"))
+        if same and not variant.selects and variant.continuation_tokens == continuation_tokens:
+            return variant
+    raise ValueError(f"no fixed variant trains like {candidate}")
 
 
 def surgery_task(domain: str) -> str:
@@ -98,7 +117,7 @@ def _surgery_tasks(experts: dict[str, Path], calib_files: dict[str, Path]) -> li
                     # only DARTS answers `surgery=auto`; the others are chosen by surgery_map
                     "eval_tasks": [lm_eval_task(domain)] if variant.suffix == "" else [],
                     "calibration": calibration,
-                    **variant.overrides,
+                    **copy.deepcopy(variant.overrides),  # no shared objects: no YAML aliases
                 }
             )
     return tasks

@@ -23,6 +23,8 @@ from rich.console import Console
 
 from .configs import METHODS, VARIANTS, lm_eval_task, merge_config, surgery_task, write_config
 from .domains import DOMAIN_NAMES
+from .evidence import Point, collect, selection_outcomes
+from .evidence import markdown as evidence_markdown
 from .family import FamilyPaths, build_family
 
 console = Console()
@@ -144,8 +146,10 @@ def _stamp(family: FamilyPaths) -> str:
     return (family.root / "family.json").read_text()
 
 
-def merged_rows(settings: DemoSettings, family: FamilyPaths, method: str) -> list[Row]:
-    """No surgery, then each surgery variant, on one merge."""
+def merged_rows(
+    settings: DemoSettings, family: FamilyPaths, method: str
+) -> tuple[list[Row], list[Point]]:
+    """No surgery, then each surgery variant, on one merge; with the held-out evidence."""
     calib = {d: family.calib_file(d) for d in DOMAIN_NAMES}
     config = merge_config(method, family.base, family.experts, calib, steps=settings.steps)
     config_path = write_config(config, settings.out / "configs" / f"{method}.yml")
@@ -169,7 +173,7 @@ def merged_rows(settings: DemoSettings, family: FamilyPaths, method: str) -> lis
         scores = evaluate(settings, family, "hf-darts", args, key)
         rho = {d: manifest["tasks"][names[d]]["metrics"]["rho_l1"] for d in DOMAIN_NAMES}
         rows.append(Row(method, variant.label, scores, rho))
-    return rows
+    return rows, collect(method, manifest, {row.label: row.scores for row in rows})
 
 
 def bias_figures(settings: DemoSettings, method: str) -> list[Path]:
@@ -239,21 +243,36 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     family = build_family(settings.out / "family", settings.seed, settings.scale)
     console.rule("2/3 individual models")
     rows = individual_rows(settings, family)
+    points: list[Point] = []
     for i, method in enumerate(settings.methods, 1):
         console.rule(f"3/3 merge {i}/{len(settings.methods)}: {method} + surgery, evaluation")
-        rows += merged_rows(settings, family, method)
+        merged, evidence = merged_rows(settings, family, method)
+        rows += merged
+        points += evidence
     figures = bias_figures(settings, settings.methods[0])
     table = markdown_table(rows)
+    select_scores = {
+        (row.group, "completions" if v.continuation_tokens else "prompts"): row.scores
+        for row in rows
+        for v in VARIANTS
+        if v.selects and row.label == v.label
+    }
+    outcomes = selection_outcomes(points, select_scores)
+    evidence_md = evidence_markdown(points, outcomes)
     seconds = time.perf_counter() - start
     results = {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(settings).items()},
         "rows": [vars(r) for r in rows],
         "figures": [str(p) for p in figures],
+        "held_out": [vars(p) for p in points],
+        "selection": outcomes,
         "seconds": round(seconds, 1),
     }
     (settings.out / "results.json").write_text(json.dumps(results, indent=2))
     (settings.out / "table.md").write_text(table + "\n")
+    (settings.out / "selection.md").write_text(evidence_md + "\n")
     console.print(table)
+    console.print(evidence_md)
     console.print(
         f"[green]done in {seconds:.0f} s; table, results.json under {settings.out}[/green]"
     )

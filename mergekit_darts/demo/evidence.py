@@ -1,0 +1,209 @@
+"""Which held-out metric predicts the task score, and does `select` find the best fixed variant?
+
+Each `select` task of the demo trains the fixed variants above it as candidates on 80 % of the
+calibration prompts and measures them on the other 20 %; with refit, the module it saves is
+byte for byte the fixed variant it chose. So every fixed variant's exact match can be paired
+with its candidate's held-out numbers (and the unrepaired merge with the "before" numbers), per
+merge and domain. Numbers from prompt-only and completion calibration are not comparable (other
+token sets), so each calibration group is analysed on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scipy.stats import spearmanr
+
+from .configs import VARIANTS, fixed_variant, surgery_task
+from .domains import DOMAIN_NAMES
+
+NONE_LABEL = "None (merged)"
+# metric -> sign that makes "higher is better" (KL is lower-is-better)
+METRICS = {"agreement": 1, "kl": -1, "rho_l1": 1, "completion_agreement": 1}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One (merge, calibration group, domain, variant): held-out metrics and exact match."""
+
+    merge: str
+    group: str  # "prompts" | "completions"
+    domain: str
+    variant: str
+    exact_match: float
+    metrics: dict[str, float | None]
+    chosen: bool = False
+
+
+def collect(method: str, manifest: Mapping[str, Any], scores: Mapping[str, dict]) -> list[Point]:
+    """Points of one merge; ``scores`` maps a row label to its exact match per domain."""
+    points = []
+    for variant in (v for v in VARIANTS if v.selects):
+        group = "completions" if variant.continuation_tokens else "prompts"
+        for domain in DOMAIN_NAMES:
+            entry = manifest["tasks"][surgery_task(domain) + variant.suffix]
+            held, selection = entry["held_out"], entry["selection"]
+            before = held["all"]
+            points.append(
+                Point(
+                    method,
+                    group,
+                    domain,
+                    NONE_LABEL,
+                    scores[NONE_LABEL][domain],
+                    {
+                        "agreement": before["agreement_before"],
+                        "kl": before["kl_before"],
+                        "rho_l1": 0.0,
+                        "completion_agreement": held.get("completion", {}).get("agreement_before"),
+                    },
+                )
+            )
+            for index, candidate in enumerate(selection["candidates"]):
+                fixed = fixed_variant(candidate, variant.continuation_tokens)
+                numbers = candidate["held_out"]
+                points.append(
+                    Point(
+                        method,
+                        group,
+                        domain,
+                        fixed.label,
+                        scores[fixed.label][domain],
+                        {
+                            **{k: numbers[k] for k in ("agreement", "kl", "rho_l1")},
+                            "completion_agreement": numbers.get("completion", {}).get("agreement"),
+                        },
+                        chosen=index == selection["chosen"],
+                    )
+                )
+    return points
+
+
+def _spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    if len(set(xs)) < 2 or len(set(ys)) < 2:
+        return None
+    return float(spearmanr(xs, ys).statistic)
+
+
+def correlations(points: Sequence[Point]) -> list[dict[str, Any]]:
+    """Spearman rho of each metric (signed so higher = better) with exact match, per group:
+    pooled over merges x domains x variants, and the mean within each (merge, domain)."""
+    rows = []
+    for group in ("prompts", "completions"):
+        mine = [p for p in points if p.group == group]
+        for metric, sign in METRICS.items():
+            usable = [p for p in mine if p.metrics.get(metric) is not None]
+            if not usable:
+                continue
+            pooled = _spearman(
+                [sign * p.metrics[metric] for p in usable], [p.exact_match for p in usable]
+            )
+            within = []
+            for merge, domain in {(p.merge, p.domain) for p in usable}:
+                cell = [p for p in usable if (p.merge, p.domain) == (merge, domain)]
+                value = _spearman(
+                    [sign * p.metrics[metric] for p in cell], [p.exact_match for p in cell]
+                )
+                if value is not None:
+                    within.append(value)
+            rows.append(
+                {
+                    "group": group,
+                    "metric": metric,
+                    "points": len(usable),
+                    "pooled": pooled,
+                    "within_mean": sum(within) / len(within) if within else None,
+                    "within_cells": len(within),
+                }
+            )
+    return rows
+
+
+def selection_outcomes(
+    points: Sequence[Point], select_scores: Mapping[tuple[str, str], dict[str, float]]
+) -> list[dict[str, Any]]:
+    """Per merge and group: mean exact match of the select row (measured), of what selecting by
+    each metric would keep, of each fixed variant's best, and of the per-domain oracle."""
+    out = []
+    for merge in dict.fromkeys(p.merge for p in points):
+        for group in ("prompts", "completions"):
+            cands = [
+                p
+                for p in points
+                if p.merge == merge and p.group == group and p.variant != NONE_LABEL
+            ]
+            if not cands:
+                continue
+            by_variant: dict[str, list[float]] = {}
+            for p in cands:
+                by_variant.setdefault(p.variant, []).append(p.exact_match)
+            fixed_means = {v: sum(s) / len(s) for v, s in by_variant.items()}
+            picks = {}
+            for metric, sign in METRICS.items():
+                chosen = []
+                for domain in DOMAIN_NAMES:
+                    cell = [
+                        p for p in cands if p.domain == domain and p.metrics.get(metric) is not None
+                    ]
+                    if cell:
+                        chosen.append(max(cell, key=lambda p: sign * p.metrics[metric]).exact_match)
+                if len(chosen) == len(DOMAIN_NAMES):
+                    picks[metric] = sum(chosen) / len(chosen)
+            oracle = [max(p.exact_match for p in cands if p.domain == d) for d in DOMAIN_NAMES]
+            measured = select_scores[(merge, group)]
+            out.append(
+                {
+                    "merge": merge,
+                    "group": group,
+                    "select": sum(measured.values()) / len(measured),
+                    "kept": {p.domain: p.variant for p in cands if p.chosen},
+                    "by_metric": picks,
+                    "best_fixed": max(fixed_means.values()),
+                    "best_fixed_label": max(fixed_means, key=fixed_means.get),
+                    "fixed": fixed_means,
+                    "oracle": sum(oracle) / len(oracle),
+                }
+            )
+    return out
+
+
+def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> str:
+    """The two tables the README quotes."""
+    lines = [
+        "Spearman rank correlation of each held-out metric with exact match (KL negated, so "
+        "positive = the metric ranks like the score). Pooled: every merge × domain × variant "
+        "(incl. no surgery) of the group; within: mean over (merge, domain) cells whose exact "
+        "match varies.",
+        "",
+        "| calibration | metric | points | pooled ρ_s | within-cell mean ρ_s (cells) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in correlations(points):
+        pooled = "–" if row["pooled"] is None else f"{row['pooled']:+.2f}"
+        within = "–" if row["within_mean"] is None else f"{row['within_mean']:+.2f}"
+        lines.append(
+            f"| {row['group']} | {row['metric']} | {row['points']} | {pooled} | "
+            f"{within} ({row['within_cells']}) |"
+        )
+    lines += [
+        "",
+        "Mean exact match (%) over the three domains: the `select` row as evaluated, what "
+        "selection by each metric would keep, the best single fixed variant of the merge, and "
+        "the per-domain oracle (best variant of each domain).",
+        "",
+        "| merge | calibration | select (agreement), measured | by agreement | by KL | by ρ_L1 "
+        "| by completion agreement | best fixed | oracle |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        picks = [
+            "–" if (v := o["by_metric"].get(m)) is None else f"{v:.1f}"
+            for m in ("agreement", "kl", "rho_l1", "completion_agreement")
+        ]
+        lines.append(
+            f"| {o['merge']} | {o['group']} | {o['select']:.1f} | {' | '.join(picks)} | "
+            f"{o['best_fixed']:.1f} ({o['best_fixed_label']}) | {o['oracle']:.1f} |"
+        )
+    return "\n".join(lines)
