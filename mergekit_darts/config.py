@@ -29,7 +29,7 @@ from pydantic import (
     field_validator,
 )
 
-from .losses import LOSSES
+from .losses import LOGIT_LOSSES, LOSSES
 from .modules import MODULE_KINDS
 
 CALIBRATION_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
@@ -66,7 +66,6 @@ TargetVocab = Literal["exact", "prefix"]
 # held-out selection metrics: top-1 agreement with the target (higher is better), KL(target ||
 # corrected merge) (lower), rho_L1 (higher)
 SelectMetric = Literal["agreement", "kl", "rho_l1"]
-LOGIT_LOSSES = ("kl", "ce")
 
 
 class _Block(BaseModel):

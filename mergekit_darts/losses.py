@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
-LOSSES = ("l1", "ewl1", "kl", "ce")
+from .metrics import token_kl
+
+LOSSES = ("l1", "ewl1", "kl", "ce", "dwl1")
+LOGIT_LOSSES = ("kl", "ce", "dwl1")  # losses that need both models' next-token distributions
 
 
 def _counted(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,21 +39,36 @@ def ewl1(
 
     The unit-mean weights keep the loss on the scale of ``l1`` so the same learning rate works.
     """
+    return _weighted_l1(pred, target, entropy, mask)
+
+
+def dwl1(
+    pred: torch.Tensor, target: torch.Tensor, disagreement: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """L1 weighted per token by how far the merge's next-token distribution is from the target's.
+
+    ``disagreement`` is KL(target || merge) of each token before surgery, so the weight sits where
+    the merge predicts differently, not where the target is unsure (``ewl1``): a target certain of
+    an answer token the merge gets wrong weighs most. Unit mean, as in ``ewl1``.
+    """
+    return _weighted_l1(pred, target, disagreement, mask)
+
+
+def _weighted_l1(
+    pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     keep, count = _counted(mask)
-    entropy = entropy.to(torch.float32) * keep
-    mean_entropy = entropy.sum() / count
-    if mean_entropy <= 0:
-        return l1(pred, target, mask)  # a target certain everywhere gives no weighting signal
-    return (_token_l1(pred, target) * entropy / mean_entropy).sum() / count
+    weight = weight.to(torch.float32) * keep
+    mean_weight = weight.sum() / count
+    if mean_weight <= 0:
+        return l1(pred, target, mask)  # all-zero weights give no weighting signal
+    return (_token_l1(pred, target) * weight / mean_weight).sum() / count
 
 
 def kl(pred_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over counted tokens of ``KL(softmax(target) || softmax(pred))``."""
     keep, count = _counted(mask)
-    log_q = torch.log_softmax(pred_logits.to(torch.float32), -1)
-    log_p = torch.log_softmax(target_logits.to(torch.float32), -1)
-    per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
-    return (per_token * keep).sum() / count
+    return (token_kl(target_logits, pred_logits) * keep).sum() / count
 
 
 def ce(pred_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

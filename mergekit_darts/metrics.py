@@ -13,6 +13,13 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum(-1)
 
 
+def token_kl(target_logits: torch.Tensor, pred_logits: torch.Tensor) -> torch.Tensor:
+    """``KL(softmax(target) || softmax(pred))`` per position over the last axis, in float32."""
+    log_p = torch.log_softmax(target_logits.to(torch.float32), -1)
+    log_q = torch.log_softmax(pred_logits.to(torch.float32), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
 def delta(h_a: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:
     """Per-token bias ``delta_t = ||h_a - h_b||_1 / H``: [B, T, H] -> [B, T], float32."""
     return (h_a.to(torch.float32) - h_b.to(torch.float32)).abs().mean(-1)

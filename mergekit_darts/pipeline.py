@@ -44,6 +44,7 @@ from .config import (
 from .continuation import tokens_sha256
 from .data import Prompts, calibration_ids, load_prompts
 from .head import HeadError
+from .losses import LOGIT_LOSSES
 from .metrics import rho_from_deltas
 from .modules import SurgeryModule, build_module
 from .selection import HeldOut, choose, held_out_metrics, holdout_split
@@ -412,7 +413,7 @@ def _held_sha256(run: _TaskRun) -> list[str]:
 def _require_heads(run: _TaskRun) -> None:
     """kl / ce / select by agreement or KL need logits the model really produces: one line if not."""
     task = run.task
-    losses = sorted({c.loss for c in task.candidates()} & {"kl", "ce"})
+    losses = sorted({c.loss for c in task.candidates()} & set(LOGIT_LOSSES))
     what = f"loss {losses[0]}" if losses else f"select metric {task.select.metric}"
     try:
         for captured in (run.target, run.merged):

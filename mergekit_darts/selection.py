@@ -19,7 +19,7 @@ import torch
 from .capture import Captured
 from .config import holdout_count
 from .head import LOGIT_CHUNK
-from .metrics import delta, rho_from_deltas
+from .metrics import delta, rho_from_deltas, token_kl
 from .modules import SurgeryModule
 from .train import positions_of
 
@@ -68,7 +68,7 @@ def held_out_metrics(
     module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor
 ) -> HeldOut:
     """Agreement, KL and rho_L1 before / after ``module`` over the ``counted`` [N, T] tokens."""
-    logits = logits_comparable(merged, target)
+    with_logits = logits_comparable(merged, target)
     sums = torch.zeros(6, dtype=torch.float64)  # agree b/a, kl b/a, delta b/a
     tokens = 0
     module = module.eval()
@@ -85,19 +85,19 @@ def held_out_metrics(
         tokens += h.shape[0]
         sums[4] += delta(h, h_star).sum().double()
         sums[5] += delta(h_hat, h_star).sum().double()
-        if logits:
+        if with_logits:
             for chunk in range(0, h.shape[0], LOGIT_CHUNK):
                 part = slice(chunk, chunk + LOGIT_CHUNK)
-                log_p = torch.log_softmax(target.head.logits(h_star[part]), -1)
-                best = log_p.argmax(-1)
+                target_logits = target.head.logits(h_star[part])
+                best = target_logits.argmax(-1)
                 for i, x in enumerate((h[part], h_hat[part])):
-                    log_q = torch.log_softmax(merged.head.logits(x), -1)
-                    sums[i] += (log_q.argmax(-1) == best).sum().double()
-                    sums[2 + i] += (log_p.exp() * (log_p - log_q)).sum().double()
+                    logits = merged.head.logits(x)
+                    sums[i] += (logits.argmax(-1) == best).sum().double()
+                    sums[2 + i] += token_kl(target_logits, logits).sum().double()
     if tokens == 0:
         raise ValueError("no held-out token to measure on")
     rho = rho_from_deltas(sums[4:5], sums[5:6], torch.tensor([True]))
-    if not logits:
+    if not with_logits:
         return HeldOut(tokens, rho)
     agree, kl = (sums[:2] / tokens).tolist(), (sums[2:4] / tokens).tolist()
     return HeldOut(tokens, rho, agree[0], agree[1], kl[0], kl[1])

@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from mergekit_darts import build_module
+from mergekit_darts import head as head_module
 from mergekit_darts.capture import Captured, capture
 from mergekit_darts.head import HeadError, OutputHead
 from mergekit_darts.selection import held_out_metrics
@@ -178,3 +179,12 @@ def test_ce_with_the_real_biased_head_moves_the_merge_towards_its_target():
     ]
     old = fit(*bare)
     assert old.kl_after > old.kl_before and old.agreement_after < real.agreement_after
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_bfloat16_models_pass_and_a_missing_transform_fails_the_check(arch, monkeypatch):
+    model = BUILDERS[arch](0).to(torch.bfloat16)
+    assert capture(model, SEQUENCES, with_head=True, progress=False).head.verified
+    if arch == "granite":  # as if its logits_scaling were unknown: caught despite bf16 rounding
+        monkeypatch.delitem(head_module.SCALES, "granite")
+        assert not capture(model, SEQUENCES, with_head=True, progress=False).head.verified
