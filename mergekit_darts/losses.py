@@ -10,8 +10,8 @@ import torch
 
 from .metrics import token_kl
 
-LOSSES = ("l1", "ewl1", "kl", "ce", "dwl1")
-LOGIT_LOSSES = ("kl", "ce", "dwl1")  # losses that need both models' next-token distributions
+LOSSES = ("l1", "ewl1", "kl", "ce")
+LOGIT_LOSSES = ("kl", "ce")  # losses that need both models' next-token distributions
 
 
 def _counted(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,30 +39,12 @@ def ewl1(
 
     The unit-mean weights keep the loss on the scale of ``l1`` so the same learning rate works.
     """
-    return _weighted_l1(pred, target, entropy, mask)
-
-
-def dwl1(
-    pred: torch.Tensor, target: torch.Tensor, disagreement: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """L1 weighted per token by how far the merge's next-token distribution is from the target's.
-
-    ``disagreement`` is KL(target || merge) of each token before surgery, so the weight sits where
-    the merge predicts differently, not where the target is unsure (``ewl1``): a target certain of
-    an answer token the merge gets wrong weighs most. Unit mean, as in ``ewl1``.
-    """
-    return _weighted_l1(pred, target, disagreement, mask)
-
-
-def _weighted_l1(
-    pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
     keep, count = _counted(mask)
-    weight = weight.to(torch.float32) * keep
-    mean_weight = weight.sum() / count
-    if mean_weight <= 0:
-        return l1(pred, target, mask)  # all-zero weights give no weighting signal
-    return (_token_l1(pred, target) * weight / mean_weight).sum() / count
+    entropy = entropy.to(torch.float32) * keep
+    mean_entropy = entropy.sum() / count
+    if mean_entropy <= 0:
+        return l1(pred, target, mask)  # a target certain everywhere gives no weighting signal
+    return (_token_l1(pred, target) * entropy / mean_entropy).sum() / count
 
 
 def kl(pred_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,7 @@ from tqdm.auto import tqdm
 
 from . import losses
 from .capture import Captured
-from .head import LOGIT_CHUNK
-from .losses import LOGIT_LOSSES
-from .metrics import delta, rho_l1, token_kl
+from .metrics import delta, rho_l1
 from .modules import SurgeryModule
 
 
@@ -66,7 +64,6 @@ def _batch_loss(
     rows: torch.Tensor,
     loss_mask: torch.Tensor,
     loss: str,
-    weights: torch.Tensor | None,
 ) -> torch.Tensor:
     width = int(merged.mask[rows].sum(-1).max())  # right-padded: crop the batch to its longest row
     h = merged.hidden[rows, :width].to(torch.float32)
@@ -77,24 +74,9 @@ def _batch_loss(
         return losses.l1(h_hat, h_star, mask)
     if loss == "ewl1":
         return losses.ewl1(h_hat, h_star, target.entropy[rows, :width], mask)
-    if loss == "dwl1":
-        return losses.dwl1(h_hat, h_star, weights[rows, :width], mask)
     pred_logits = merged.head.logits(h_hat)
     target_logits = target.head.logits(h_star)
     return getattr(losses, loss)(pred_logits, target_logits, mask)
-
-
-@torch.no_grad()
-def disagreement(merged: Captured, target: Captured) -> torch.Tensor:
-    """[N, T] KL(target || merge) of each real token before surgery, ``LOGIT_CHUNK`` at a time."""
-    out = torch.zeros(merged.mask.shape, dtype=torch.float32, device=merged.hidden.device)
-    for row in range(merged.mask.shape[0]):
-        width = int(merged.mask[row].sum())
-        for start in range(0, width, LOGIT_CHUNK):
-            part = slice(start, min(start + LOGIT_CHUNK, width))
-            target_logits = target.head.logits(target.hidden[row, part])
-            out[row, part] = token_kl(target_logits, merged.head.logits(merged.hidden[row, part]))
-    return out
 
 
 def _epoch_batches(rows: torch.Tensor, batch_size: int, generator: torch.Generator):
@@ -129,7 +111,7 @@ def train_surgery(
         )
     if settings.loss == "ewl1" and target.entropy is None:
         raise ValueError("the ewl1 loss needs the target's entropy: capture it with_entropy=True")
-    if settings.loss in LOGIT_LOSSES:
+    if settings.loss in losses.LOGIT_LOSSES:
         if merged.head is None or target.head is None:
             raise ValueError(f"the {settings.loss} loss needs both output heads: with_head=True")
         for captured in (merged, target):
@@ -142,7 +124,6 @@ def train_surgery(
         raise ValueError("no token is counted by the loss mask")
     merged, target = _to(merged, device), _to(target, device)
     counted = counted.to(device)
-    weights = disagreement(merged, target) if settings.loss == "dwl1" else None
     module = module.to(device=device, dtype=torch.float32).train()
     optimizer = torch.optim.Adam(module.parameters(), lr=settings.lr, betas=(0.9, 0.999))
     generator = torch.Generator().manual_seed(settings.seed)
@@ -153,7 +134,7 @@ def train_surgery(
         batch = next(batches).to(device)
         if not counted[batch].any():
             continue
-        loss = _batch_loss(module, merged, target, batch, counted, settings.loss, weights)
+        loss = _batch_loss(module, merged, target, batch, counted, settings.loss)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

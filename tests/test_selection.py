@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mergekit_darts import build_module, losses
+from mergekit_darts import build_module
 from mergekit_darts.capture import Captured
 from mergekit_darts.head import OutputHead
 from mergekit_darts.selection import choose, held_out_metrics, holdout_split
-from mergekit_darts.train import disagreement
 
 N, T, H, V = 11, 9, 6, 13
 
@@ -127,23 +126,3 @@ def test_choose_follows_each_metrics_direction():
     assert choose([None, 0.1, float("nan")], "rho_l1") == 1
     with pytest.raises(ValueError, match="no candidate has a held-out kl"):
         choose([None, None], "kl")
-
-
-def test_disagreement_weights_and_dwl1_match_float64_references(pair):
-    merged, target, _ = pair
-    got = disagreement(merged, target)
-    for i in range(N):
-        for t in range(T):
-            if not merged.mask[i, t]:
-                assert got[i, t] == 0
-                continue
-            p = torch.softmax(_logits64(target.head, target.hidden[i, t]), -1)
-            q = torch.softmax(_logits64(merged.head, merged.hidden[i, t]), -1)
-            assert float(got[i, t]) == pytest.approx(float((p * (p / q).log()).sum()), rel=1e-4)
-    pred = merged.hidden + 0.1
-    tokens = merged.mask.sum()
-    weights = got.double() / (got.double().sum() / tokens)
-    want = ((pred - target.hidden).double().abs().mean(-1) * weights).sum() / tokens
-    assert losses.dwl1(pred, target.hidden, got, merged.mask).item() == pytest.approx(
-        float(want), rel=1e-5
-    )

@@ -46,23 +46,16 @@ CONTINUATION_TOKENS = 32
 STANDARD_L1 = {"module": "standard", "loss": "l1"}
 POS_CORR_L1 = {"module": "pos_corr", "loss": "l1"}
 DARTS = {"module": "pos_corr", "loss": "ewl1"}
-POS_CORR_DWL1 = {"module": "pos_corr", "loss": "dwl1"}  # issue 14's disagreement-weighted L1
 # the fixed variants above each `select` row, as its candidates: they train on the same captures
-SELECT = {
-    "candidates": [STANDARD_L1, POS_CORR_L1, DARTS, POS_CORR_DWL1],
-    "holdout": 0.2,
-    "metric": "agreement",
-}
+SELECT = {"candidates": [STANDARD_L1, POS_CORR_L1, DARTS], "holdout": 0.2, "metric": "agreement"}
 VARIANTS: tuple[Variant, ...] = (
     Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1),
     Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", POS_CORR_L1),
     Variant("DARTS (pos_corr + EWL1)", "", {}),
-    Variant("pos_corr + DWL1 (disagreement-weighted)", "_dwl1", POS_CORR_DWL1),
-    Variant("select (best of the 4 above by held-out agreement)", "_select", {"select": SELECT}),
+    Variant("select (best of the 3 above by held-out agreement)", "_select", {"select": SELECT}),
     Variant("Standard + L1, +completions", "_std_cont", STANDARD_L1, CONTINUATION_TOKENS),
     Variant("pos_corr + L1, +completions", "_pos_l1_cont", POS_CORR_L1, CONTINUATION_TOKENS),
     Variant("DARTS, +completions", "_cont", {}, CONTINUATION_TOKENS),
-    Variant("pos_corr + DWL1, +completions", "_dwl1_cont", POS_CORR_DWL1, CONTINUATION_TOKENS),
     Variant("select, +completions", "_select_cont", {"select": SELECT}, CONTINUATION_TOKENS),
 )
 
