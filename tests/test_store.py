@@ -154,13 +154,17 @@ def test_entry_that_does_not_fit_its_sequences_is_a_miss(tmp_path):
 
     hidden = torch.ones(2, 3, 4)
     mask = torch.tensor([[True, True, True], [True, True, False]])
-    store.put("k", Captured(hidden, mask), persist=True)
+    store.put("k", Captured(hidden, mask), model="local:m")
     fresh = CaptureStore(tmp_path)
-    assert fresh.get("k", [3, 2], torch.float32, "cpu") is not None
-    assert CaptureStore(tmp_path).get("k", [3, 3], torch.float32, "cpu") is None  # wrong lengths
+    assert fresh.get("k", [3, 2], torch.float32, "cpu", model="local:m") is not None
+    assert (
+        CaptureStore(tmp_path).get("k", [3, 3], torch.float32, "cpu", model="local:m") is None
+    )  # wrong lengths
     assert not (tmp_path / "captures" / "k.safetensors").exists()  # discarded
-    store.put("k", Captured(hidden, mask), persist=True)
-    needs_entropy = CaptureStore(tmp_path).get("k", [3, 2], torch.float32, "cpu", (True, False))
+    store.put("k", Captured(hidden, mask), model="local:m")
+    needs_entropy = CaptureStore(tmp_path).get(
+        "k", [3, 2], torch.float32, "cpu", (True, False), model="local:m"
+    )
     assert needs_entropy is None  # an entry without entropy cannot serve a target
     assert sequences_sha256([[1, 2], [3]]) != sequences_sha256([[1], [2, 3]])
     assert "MiB" in store.summary() and "1 entries" in store.summary()
