@@ -25,7 +25,7 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -489,7 +489,7 @@ def run_sweep(
     records = []
     progress = tqdm(total=len(planned) * len(merges), desc="sweep", unit="cell")
     for merge in merges:
-        merged = make_merge(merge, progress) if merge.source else merge.folder
+        merged = make_merge(merge, progress.write) if merge.source else merge.folder
         records += run_merge_cells(
             spec, merge, merged, planned, output, store, task_manager, progress
         )
@@ -597,7 +597,7 @@ def locate_merges(spec: SweepSpec, output: Path) -> list[Merge]:
     return merges
 
 
-def make_merge(merge: Merge, progress: Any) -> Path:
+def make_merge(merge: Merge, log: Callable[[str], None] = print) -> Path:
     """Merge with mergekit's own (unwrapped) ``run_merge``, unless done from this very YAML.
 
     The YAML's own ``surgery:`` block is not run: every merge gets the sweep's grid. The merge
@@ -610,9 +610,9 @@ def make_merge(merge: Merge, progress: Any) -> Path:
 
     marker = merge.folder / MERGE_MARKER
     if marker.is_file() and marker.read_text() == merge.fingerprint[0]:
-        progress.write(f"merge {merge.name}: done earlier, kept")
+        log(f"merge {merge.name}: done earlier, kept")
         return merge.folder
-    progress.write(f"merge {merge.name}: merging {merge.source}")
+    log(f"merge {merge.name}: merging {merge.source}")
     staging = merge.folder.with_name(f".{merge.folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     stock = inspect.unwrap(mergekit_merge.run_merge)
