@@ -5,7 +5,7 @@ learning rate, calibration size, seed — and score every variant on the same be
 does that from one YAML: each grid cell runs the real post-merge step (``run_surgery``) into its
 own folder and is evaluated in-process with lm-eval through ``hf-darts``, with per-item scores
 logged so that :mod:`mergekit_darts.stats` can pair them. Each finished cell is written to disk at
-once and skipped on the next run, so a killed sweep loses only the cell that was running.
+once and skipped on the next run, so a killed sweep loses only its unscored cells.
 
 Calibrate once, train many: the cells share one :class:`~mergekit_darts.store.CaptureStore`, so
 each model is loaded once for capture in the whole sweep (none with a warm ``cache_dir``), and one
@@ -393,38 +393,46 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def run_cell(
-    spec: SweepSpec,
-    merged: Path,
-    cell_dir: Path,
-    settings: Mapping[str, Any],
-    block: Mapping[str, Any] | None,
-    key: str,
-    task_manager: Any,
-    store: CaptureStore,
-    model: EvalModel,
-) -> dict[str, Any]:
-    """Calibrate (unless baseline), evaluate, and write ``result.json`` of one cell."""
-    cell_dir.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Cell:
+    """One unfinished cell between the sweep's two passes."""
+
+    settings: dict[str, Any]
+    block: dict[str, Any] | None  # None: the baseline
+    folder: Path
+    key: str
+    surgery_path: Path | None = None
+    surgery_s: float = 0.0
+
+
+def calibrate_cell(merged: Path, cell: Cell, store: CaptureStore) -> None:
+    """The cell's surgery (none for the baseline), its captures lent by ``store``."""
+    cell.folder.mkdir(parents=True, exist_ok=True)
+    if cell.block is not None:
+        start = time.perf_counter()
+        cell.surgery_path = calibrate(merged, cell.folder, cell.block, store)
+        cell.surgery_s = time.perf_counter() - start
+
+
+def evaluate_cell(spec: SweepSpec, cell: Cell, task_manager: Any, model: EvalModel) -> dict:
+    """Score a calibrated cell and write its ``result.json``."""
     start = time.perf_counter()
-    surgery_path = None if block is None else calibrate(merged, cell_dir, block, store)
-    calibrated = time.perf_counter()
-    results = evaluate(model, surgery_path, spec.eval, task_manager)
+    results = evaluate(model, cell.surgery_path, spec.eval, task_manager)
     record: dict[str, Any] = {
-        "cell": cell_id(settings),
-        "settings": dict(settings),
-        "fingerprint": key,
+        "cell": cell_id(cell.settings),
+        "settings": dict(cell.settings),
+        "fingerprint": cell.key,
         **scores_of(results, spec.eval),
         "rho_l1": {},
         "eval_rho": {},
         "seconds": {
-            "surgery": round(calibrated - start, 3),
-            "eval": round(time.perf_counter() - calibrated, 3),
+            "surgery": round(cell.surgery_s, 3),
+            "eval": round(time.perf_counter() - start, 3),
         },
     }
-    if surgery_path is not None:
-        record["rho_l1"], record["eval_rho"] = rho_of(surgery_path, spec.eval)
-    write_json(cell_dir / RESULT, record)
+    if cell.surgery_path is not None:
+        record["rho_l1"], record["eval_rho"] = rho_of(cell.surgery_path, spec.eval)
+    write_json(cell.folder / RESULT, record)
     return record
 
 
@@ -509,32 +517,43 @@ def run_merge_cells(
     task_manager: Any,
     progress: Any,
 ) -> list[dict[str, Any]]:
-    """The cells of one merged model, with one evaluation model kept across them."""
+    """The cells of one merged model: every surgery first, then every evaluation.
+
+    Two passes keep one full model in memory at a time: the captures (each model loaded once,
+    through the store) and training happen before the one evaluation model is loaded, which then
+    serves every cell with its modules swapped.
+    """
     eval_key = spec.eval.model_dump()
-    model = EvalModel(merged, spec.eval)
-    records = []
-    try:
-        for grid_settings, block in planned:
-            settings = {MERGE: merge.name, **grid_settings} if merge.name else grid_settings
-            name = cell_id(settings)
-            cell_dir = output / CELLS / name
-            key = fingerprint(str(merged), block, eval_key, *merge.fingerprint)
-            done = load_cell(cell_dir)
+    records: list[dict[str, Any] | None] = []
+    todo: list[tuple[int, Cell]] = []
+    for grid_settings, block in planned:
+        settings = {MERGE: merge.name, **grid_settings} if merge.name else grid_settings
+        cell = Cell(settings, block, output / CELLS / cell_id(settings), "")
+        cell.key = fingerprint(str(merged), block, eval_key, *merge.fingerprint)
+        done = load_cell(cell.folder)
+        if done is not None and done.get("fingerprint") == cell.key:
+            progress.write(f"{cell_id(settings)}: finished earlier, skipped")
             progress.update()
-            if done is not None and done.get("fingerprint") == key:
-                progress.write(f"{name}: finished earlier, skipped")
-                records.append(done)
-                continue
-            progress.set_postfix_str(name)
-            record = run_cell(
-                spec, merged, cell_dir, settings, block, key, task_manager, store, model
-            )
+            records.append(done)
+        else:
+            todo.append((len(records), cell))
+            records.append(None)
+    for _, cell in todo:
+        progress.set_postfix_str(f"{cell_id(cell.settings)}: surgery")
+        calibrate_cell(merged, cell, store)
+    model = EvalModel(merged, spec.eval)
+    try:
+        for index, cell in todo:
+            name = cell_id(cell.settings)
+            progress.set_postfix_str(f"{name}: evaluation")
+            record = evaluate_cell(spec, cell, task_manager, model)
             scores = ", ".join(f"{t} {s:.1f}" for t, s in record["scores"].items())
             progress.write(f"{name}: {scores} ({sum(record['seconds'].values()):.0f}s)")
-            records.append(record)
+            progress.update()
+            records[index] = record
     finally:
         model.close()
-    return records
+    return [r for r in records if r is not None]
 
 
 # --- merge grids ---------------------------------------------------------------------------

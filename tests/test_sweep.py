@@ -226,15 +226,24 @@ def test_lr_given_as_yaml_string_is_read_as_a_number(tmp_path):
 
 @pytest.fixture
 def loads(monkeypatch) -> Counter:
-    """Folder names of every model ``from_pretrained`` loads, capture or lm-eval (real calls)."""
+    """Folder names of every model ``from_pretrained`` loads, capture or lm-eval (real calls);
+    fails if a model is loaded while another is still alive (one full model at a time)."""
+    import gc
+    import weakref
+
     from transformers import AutoModelForCausalLM
 
     loaded: Counter = Counter()
+    alive: list[weakref.ref] = []
     original = AutoModelForCausalLM.from_pretrained
 
     def counting(path, *args, **kwargs):
+        gc.collect()
+        assert not [ref for ref in alive if ref() is not None], "two models in memory at once"
         loaded[Path(str(path)).name] += 1
-        return original(path, *args, **kwargs)
+        model = original(path, *args, **kwargs)
+        alive.append(weakref.ref(model))
+        return model
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counting)
     return loaded
