@@ -18,6 +18,7 @@ hashed by content.
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -35,7 +36,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .capture import Captured, capture
-from .config import ResolvedTask, SurgeryConfig, SurgeryConfigError, SurgeryError, resolve_device
+from .config import (
+    ResolvedTask,
+    SurgeryConfig,
+    SurgeryConfigError,
+    SurgeryError,
+    by_files,
+    resolve_device,
+)
 from .continuation import completion_mask, continue_prompts, eos_token_ids
 
 FORMAT = "darts-capture-store"
@@ -96,9 +104,14 @@ def sequences_sha256(sequences: Sequence[Sequence[int]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+@functools.cache
+def _versions() -> dict[str, str]:
+    return {p: version(p) for p in ("torch", "transformers")}
+
+
 def _key(kind: str, **parts: Any) -> str:
-    versions = {p: version(p) for p in ("torch", "transformers")}
-    text = json.dumps({"kind": kind, "store": STORE_VERSION, **versions, **parts}, sort_keys=True)
+    head = {"kind": kind, "store": STORE_VERSION, **_versions()}
+    text = json.dumps({**head, **parts}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -344,13 +357,19 @@ def merged_tokenizer(merged: str | Path, trust_remote_code: bool) -> Any:
     """The merged folder's tokenizer: calibration tokenizes with it for every model."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(merged, trust_remote_code=trust_remote_code)
-    except Exception as err:  # no tokenizer files, or unreadable ones
-        raise SurgeryConfigError(
-            f"{merged} has no usable tokenizer ({type(err).__name__}); calibration tokenizes "
-            "with the merged model's tokenizer: copy one into the folder"
-        ) from err
+    def load() -> Any:
+        try:
+            return AutoTokenizer.from_pretrained(merged, trust_remote_code=trust_remote_code)
+        except Exception as err:  # no tokenizer files, or unreadable ones
+            raise SurgeryConfigError(
+                f"{merged} has no usable tokenizer ({type(err).__name__}); calibration tokenizes "
+                "with the merged model's tokenizer: copy one into the folder"
+            ) from err
+
+    return by_files(_TOKENIZERS, str(merged), trust_remote_code, load)
+
+
+_TOKENIZERS: dict[Any, Any] = {}
 
 
 def load_model(path: str, runtime: Runtime) -> nn.Module:
