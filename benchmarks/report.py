@@ -162,7 +162,8 @@ def store_table(st: dict[str, Any]) -> str:
             f"cell: {grid['one_per_task']}); evaluation adds one per merge",
         ],
     ]
-    return _table(["Measure", "Value"], rows)
+    table = _table(["Measure", "Value"], rows)
+    return f"{st['note']}\n\n{table}" if st.get("note") else table
 
 
 def inference_table(inf: dict[str, Any]) -> str:
