@@ -142,6 +142,30 @@ def ratios_table(ratios: dict[str, dict[str, Any]]) -> str:
     return _table(["Ratio / cost", "Measured", "Target", ""], rows)
 
 
+def store_table(st: dict[str, Any]) -> str:
+    """The sweep's overhead over bare training and the model loads of a block and a grid."""
+    sweep, demo, grid = st["sweep"], st["demo_block"], st["grid"]
+    rows = [
+        [
+            "8-cell sweep: capture + training",
+            f"{_s(sweep['sweep_s'])} vs {_s(sweep['bare_s'])} (one capture per model + 8 bare "
+            f"training loops): {sweep['ratio']:.3f}",
+        ],
+        [
+            f"model loads, demo-shaped block ({demo['tasks']} tasks, {demo['targets']} targets)",
+            f"{demo['loads']} (one per task: {demo['one_per_task']})",
+        ],
+        [
+            f"capture loads, {grid['merges']}-merge grid ({grid['targets']} targets, "
+            f"{grid['cells_per_merge']} cells per merge)",
+            f"{grid['loads']} (K + M = {grid['targets'] + grid['merges']}; one per task and "
+            f"cell: {grid['one_per_task']}); evaluation adds one per merge",
+        ],
+    ]
+    table = _table(["Measure", "Value"], rows)
+    return f"{st['note']}\n\n{table}" if st.get("note") else table
+
+
 def inference_table(inf: dict[str, Any]) -> str:
     rows = []
     for p in inf["points"]:
@@ -271,6 +295,8 @@ def markdown(results: dict[str, Any]) -> str:
             "### Entropy memory",
             _entropy_line(cal["entropy"]),
         ]
+    if "store" in results:
+        parts += ["## Calibrate once, train many (capture store)", store_table(results["store"])]
     if "inference" in results:
         parts += [
             "## Inference throughput, hf-darts vs hf (lm-eval classes)",

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import calibration, inference, scaling, startup
+from . import calibration, inference, scaling, startup, store
 from .fixtures import Pair, build_pair
 from .measure import apply_threads, choose_clock, choose_threads, loadavg, machine_info
 from .settings import BenchSettings
@@ -22,6 +22,8 @@ def count_steps(settings: BenchSettings) -> int:
     steps = 0
     if "calibration" in settings.sections:
         steps += 1 + len(settings.kinds) + 4
+    if "store" in settings.sections:
+        steps += 3
     if "inference" in settings.sections:
         steps += len(_inference_sizes(settings))
     if "startup" in settings.sections:
@@ -90,21 +92,25 @@ def _run_all(settings: BenchSettings, tick: Callable[[str], None]) -> dict[str, 
     machine["clock"] = choose_clock(settings.device, machine["torch_threads"])
     results: dict[str, Any] = {"machine": machine, "settings": settings.to_dict(), "ratios": {}}
     with _workdir(settings) as root:
-        if "calibration" in settings.sections:
+        pair = None
+        if {"calibration", "store"} & set(settings.sections):
             tick("calibration: building the model pair")
             pair = (
                 Pair(settings.merged, settings.target)
                 if settings.merged and settings.target
                 else build_pair(root, settings.model)
             )
+        if "calibration" in settings.sections:
             results["calibration"] = calibration.run(settings, pair, root / "calibration", tick)
+        if "store" in settings.sections:
+            results["store"] = store.run(settings, pair, root / "store", tick)
         if "inference" in settings.sections:
             results["inference"] = inference.run(settings, root, tick)
         if "startup" in settings.sections:
             results["startup"] = startup.run(settings, tick)
         if "scaling" in settings.sections:
             results["scaling"] = scaling.run(settings, root, tick)
-    for section in ("calibration", "inference", "startup"):
+    for section in ("calibration", "store", "inference", "startup"):
         results["ratios"].update(results.get(section, {}).get("ratios", {}))
     results["machine"]["loadavg_end"] = loadavg()
     results["runtime_s"] = time.perf_counter() - started

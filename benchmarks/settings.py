@@ -13,7 +13,7 @@ from typing import Any
 
 from .fixtures import ModelSpec
 
-SECTIONS = ("calibration", "inference", "startup", "scaling")
+SECTIONS = ("calibration", "store", "inference", "startup", "scaling")
 DEFAULT_STARTUP = {
     "mergekit-yaml --help": (["mergekit-yaml", "--help"], 2),
     "lm_eval -h": (["lm_eval", "-h"], 10),

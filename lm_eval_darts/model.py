@@ -185,23 +185,39 @@ class DartsHFLM(HFLM):
         **kwargs: Any,
     ) -> None:
         # Checked before HFLM loads the model, so a typo costs no model load.
-        self.surgery = SurgeryPlan.resolve(
-            surgery,
-            surgery_map,
-            surgery_path,
-            pretrained,
-            kwargs.get("subfolder") or "",
-            kwargs.get("revision", "main"),
-        )
+        self._source = (pretrained, kwargs.get("subfolder") or "", kwargs.get("revision", "main"))
+        plan = SurgeryPlan.resolve(surgery, surgery_map, surgery_path, *self._source)
         super().__init__(pretrained=pretrained, **kwargs)
         self._handle: SurgeryHandle | None = None
-        if self.surgery.mode == NONE:
+        self._use(plan)
+
+    def set_surgery(
+        self,
+        surgery: Any = AUTO,
+        surgery_path: str | None = None,
+        surgery_map: str | Mapping[str, Any] | None = None,
+    ) -> None:
+        """Switch to other modules (or none) on the loaded model, with the constructor's rules.
+
+        A sweep scores many surgery folders on one merged model: swapping the modules between
+        them costs nothing, reloading the model for each would cost a full load.
+        """
+        self._use(SurgeryPlan.resolve(surgery, surgery_map, surgery_path, *self._source))
+
+    def _use(self, plan: SurgeryPlan) -> None:
+        self.surgery = plan
+        if plan.mode == NONE:
+            if self._handle is not None:
+                self._handle.module = None  # the hooks stay, inert: exactly hf's numbers
             return
         if self.backend != "causal":
             raise ValueError(f"hf-darts corrects decoder-only models; this one is {self.backend}")
-        fixed = self.surgery.modules.get(self.surgery.mode)  # None under auto until a call
-        self._handle = SurgeryHandle(self.model, fixed)
-        eval_logger.info("hf-darts: surgery=%s from %s", self.surgery.mode, self.surgery.folder)
+        fixed = plan.modules.get(plan.mode)  # None under auto until a call
+        if self._handle is None:
+            self._handle = SurgeryHandle(self.model, fixed)
+        else:
+            self._handle.module = fixed
+        eval_logger.info("hf-darts: surgery=%s from %s", plan.mode, plan.folder)
 
     def _grouped(
         self,

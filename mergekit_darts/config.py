@@ -575,10 +575,34 @@ def _tokenizer_vocab(ref: str, trust_remote_code: bool) -> dict[str, int] | None
     """The token -> id map, or None when the folder has no tokenizer to compare."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code).get_vocab()
-    except Exception:  # no tokenizer files: nothing to compare, the vocab_size check remains
-        return None
+    def vocab() -> dict[str, int] | None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code)
+        except Exception:  # no tokenizer files: nothing to compare, the vocab_size check remains
+            return None
+        return tokenizer.get_vocab()
+
+    return by_files(_VOCABS, ref, trust_remote_code, vocab)
+
+
+_VOCABS: dict[Any, Any] = {}
+
+
+def by_files(cache: dict[Any, Any], ref: str, trust_remote_code: bool, make: Any) -> Any:
+    """``make()``, cached under the (name, size, mtime_ns) of ``ref``'s files.
+
+    A sweep checks and tokenizes with the same models in every cell, each cell's model folder
+    linking the same files: they are read once, and again as soon as a file changes.
+    """
+    folder = Path(ref)
+    files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+    stamp = tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files) or ref
+    key = (stamp, trust_remote_code)
+    if key not in cache:
+        if len(cache) >= 16:
+            cache.clear()
+        cache[key] = make()
+    return cache[key]
 
 
 def check_output(out_path: str | Path, overwrite: bool) -> None:

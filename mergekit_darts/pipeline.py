@@ -6,8 +6,8 @@ model: K tasks naming T distinct targets cost T + 1 loads, and none whose captur
 prompts with its own greedy completion, which is why targets come first), its hidden states and
 entropies are captured once per distinct token sequence set, and it is freed; then the merged
 model is loaded once and run over every task's sequences; then each module is trained on the
-cached states. Nothing is written until every task has succeeded,
-and then ``surgery/`` appears in one rename, so a failure leaves the merged folder as it was.
+cached states. Nothing is written until every task has succeeded, and then ``surgery/`` appears
+in one rename, so a failure leaves the merged folder as it was.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ hashed by content.
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -35,7 +36,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .capture import Captured, capture
-from .config import ResolvedTask, SurgeryConfig, SurgeryConfigError, SurgeryError, resolve_device
+from .config import (
+    ResolvedTask,
+    SurgeryConfig,
+    SurgeryConfigError,
+    SurgeryError,
+    by_files,
+    resolve_device,
+)
 from .continuation import completion_mask, continue_prompts, eos_token_ids
 from .head import OutputHead
 
@@ -97,9 +105,14 @@ def sequences_sha256(sequences: Sequence[Sequence[int]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+@functools.cache
+def _versions() -> dict[str, str]:
+    return {p: version(p) for p in ("torch", "transformers")}
+
+
 def _key(kind: str, **parts: Any) -> str:
-    versions = {p: version(p) for p in ("torch", "transformers")}
-    text = json.dumps({"kind": kind, "store": STORE_VERSION, **versions, **parts}, sort_keys=True)
+    head = {"kind": kind, "store": STORE_VERSION, **_versions()}
+    text = json.dumps({**head, **parts}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -127,6 +140,7 @@ class CaptureStore:
         self.cache_dir = Path(cache_dir).expanduser().resolve() if cache_dir else None
         self._captures: dict[str, Captured] = {}
         self._completions: dict[str, list[list[int]]] = {}
+        self._owner: dict[str, str] = {}  # key -> identity of the model it came from
         self.stats = StoreStats()
 
     # captures
@@ -138,6 +152,8 @@ class CaptureStore:
         dtype: torch.dtype,
         device: str,
         needs: tuple[bool, bool] = (False, False),
+        *,
+        model: str,
     ) -> Captured | None:
         """The entry of ``key`` if it holds ``needs`` (entropy, head) and passes every check."""
         found = self._captures.get(key)
@@ -158,11 +174,14 @@ class CaptureStore:
             return None
         self.stats.from_disk += 1
         self._captures[key] = found
+        self._owner[key] = model
         return found
 
-    def put(self, key: str, captured: Captured, *, persist: bool) -> None:
+    def put(self, key: str, captured: Captured, *, model: str) -> None:
+        """Keep ``captured`` (from the model of identity ``model``) in memory and on disk."""
         self._captures[key] = captured
-        if persist:
+        self._owner[key] = model
+        if not model.startswith("hub:"):  # no files to tell a changed Hub model by
             tensors = {
                 name: value.detach().cpu().contiguous()
                 for name in ("hidden", "mask", "entropy")
@@ -174,7 +193,9 @@ class CaptureStore:
 
     # completions
 
-    def get_completions(self, key: str, n: int, max_new: int) -> list[list[int]] | None:
+    def get_completions(
+        self, key: str, n: int, max_new: int, *, model: str
+    ) -> list[list[int]] | None:
         if key in self._completions:
             self.stats.from_memory += 1
             return self._completions[key]
@@ -192,11 +213,13 @@ class CaptureStore:
         found = [tokens[end - length : end] for end, length in zip(ends, lengths, strict=True)]
         self.stats.from_disk += 1
         self._completions[key] = found
+        self._owner[key] = model
         return found
 
-    def put_completions(self, key: str, completions: list[list[int]], *, persist: bool) -> None:
+    def put_completions(self, key: str, completions: list[list[int]], *, model: str) -> None:
         self._completions[key] = completions
-        if persist:
+        self._owner[key] = model
+        if not model.startswith("hub:"):
             flat = [t for c in completions for t in c]
             tensors = {
                 "lengths": torch.tensor([len(c) for c in completions], dtype=torch.int64),
@@ -204,10 +227,13 @@ class CaptureStore:
             }
             self._write(COMPLETIONS, key, tensors)
 
-    def forget(self) -> None:
-        """Drop the in-memory entries (disk entries stay)."""
-        self._captures.clear()
-        self._completions.clear()
+    def forget(self, model: str) -> None:
+        """Free the memory held by one model's entries (its disk entries stay)."""
+        identity = model_identity(model)
+        for key in [k for k, owner in self._owner.items() if owner == identity]:
+            self._captures.pop(key, None)
+            self._completions.pop(key, None)
+            del self._owner[key]
 
     # disk
 
@@ -335,13 +361,19 @@ def merged_tokenizer(merged: str | Path, trust_remote_code: bool) -> Any:
     """The merged folder's tokenizer: calibration tokenizes with it for every model."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(merged, trust_remote_code=trust_remote_code)
-    except Exception as err:  # no tokenizer files, or unreadable ones
-        raise SurgeryConfigError(
-            f"{merged} has no usable tokenizer ({type(err).__name__}); calibration tokenizes "
-            "with the merged model's tokenizer: copy one into the folder"
-        ) from err
+    def load() -> Any:
+        try:
+            return AutoTokenizer.from_pretrained(merged, trust_remote_code=trust_remote_code)
+        except Exception as err:  # no tokenizer files, or unreadable ones
+            raise SurgeryConfigError(
+                f"{merged} has no usable tokenizer ({type(err).__name__}); calibration tokenizes "
+                "with the merged model's tokenizer: copy one into the folder"
+            ) from err
+
+    return by_files(_TOKENIZERS, str(merged), trust_remote_code, load)
+
+
+_TOKENIZERS: dict[Any, Any] = {}
 
 
 def load_model(path: str, runtime: Runtime) -> nn.Module:
@@ -485,7 +517,7 @@ def _continue(
         device_map=runtime.device_map,
     )
     n = len(cal.prompt_ids)
-    completions = store.get_completions(key, n, cal.continuation_tokens)
+    completions = store.get_completions(key, n, cal.continuation_tokens, model=identity)
     if completions is None:
         loaded = model.get(cal.name, cal.timings, "load_target_s")
         with (
@@ -503,7 +535,7 @@ def _continue(
                 desc=f"{cal.name}: generate",
             ).completions
         store.stats.computed += 1
-        store.put_completions(key, completions, persist=not identity.startswith("hub:"))
+        store.put_completions(key, completions, model=identity)
     cal.completions = completions
     cal.sequences = [list(p) + c for p, c in zip(cal.prompt_ids, completions, strict=True)]
     cal.completion_mask = completion_mask(
@@ -543,7 +575,9 @@ def _capture_all(
         key = keys[cal.name]
         if key not in done:
             lengths = [len(s) for s in cal.sequences]
-            found = store.get(key, lengths, runtime.cache_dtype, runtime.device, needs[key])
+            found = store.get(
+                key, lengths, runtime.cache_dtype, runtime.device, needs[key], model=identity
+            )
             if found is None:
                 what = "the target's" if role == "target" else "the merged model's"
                 loaded = model.get(cal.name, cal.timings, f"load_{role}_s")
@@ -564,7 +598,7 @@ def _capture_all(
                         progress=runtime.progress,
                     )
                 store.stats.computed += 1
-                store.put(key, found, persist=not identity.startswith("hub:"))
+                store.put(key, found, model=identity)
             done[key] = found
         view = _view(done[key], with_entropy, cal.with_head)
         if role == "target":

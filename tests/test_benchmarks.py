@@ -23,7 +23,7 @@ def results(tmp_path_factory):
 
 def test_every_section_reports(results):
     found, _ = results
-    for section in ("machine", "settings", "calibration", "inference", "startup", "scaling"):
+    for section in ("machine", "settings", "calibration", "store", "inference", "startup"):
         assert section in found, section
     tasks = found["calibration"]["tasks"]
     assert set(tasks) == {"standard", "pos_corr"}
@@ -34,6 +34,10 @@ def test_every_section_reports(results):
         assert task["memory"]["peak_rss"] > 0
     assert tasks["pos_corr"]["params"] > tasks["standard"]["params"]
     assert {r["axis"] for r in found["scaling"]["rows"]} == {"N", "T", "rank", "H"}
+    store = found["store"]
+    assert store["demo_block"]["loads"] == 4  # 15 tasks over 3 targets: the targets + the merge
+    assert store["demo_block"]["one_per_task"] == 16
+    assert store["grid"]["loads"] == 6  # 3 targets + 3 merges, not 3 x 2 cells x 4
 
 
 def test_every_ratio_is_finite_and_positive(results):
@@ -47,6 +51,7 @@ def test_every_ratio_is_finite_and_positive(results):
         "hf-darts / hf tokens/s, loglikelihood, H=64",
         "hf-darts / hf tokens/s, generate_until, H=64",
         "startup hook cost, ms (python -c pass)",
+        "8-cell sweep capture + training / (one capture per model + 8 bare training loops)",
     )
     for name in expected:
         assert any(key.startswith(name) for key in ratios), name

@@ -84,5 +84,7 @@ def test_examples_demo_match_what_the_driver_writes(monkeypatch):
     family = _family_paths((repo / "runs/demo/family").resolve())
     calib = {d: family.calib_file(d) for d in DOMAIN_NAMES}
     for method in METHODS:
-        expected = merge_config(method, family.base, family.experts, calib)
+        expected = merge_config(
+            method, family.base, family.experts, calib, cache_dir=repo / "runs/demo/captures"
+        )
         assert yaml.safe_load((repo / f"examples/demo/{method}.yml").read_text()) == expected

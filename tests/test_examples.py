@@ -45,3 +45,15 @@ def test_heldout_tasks_drop_the_calibration_items():
         config = load_yaml(tasks / f"{name}.yaml")  # what lm-eval itself runs
         assert config["task"] == name
         assert callable(config["process_docs"])
+
+
+@pytest.mark.parametrize("name", ["sweep.yml", "grid.yml"])
+def test_sweep_examples_are_valid(name, monkeypatch, tmp_path):
+    from mergekit_darts import sweep
+
+    monkeypatch.chdir(EXAMPLES.parent)  # their paths resolve from the repository root
+    spec = sweep.load_spec(EXAMPLES / name)
+    assert len(sweep.plan(spec)) > 1 and sweep.cache_dir(spec) == "runs/demo/captures"
+    if spec.merges:
+        merges = sweep.locate_merges(spec, tmp_path)
+        assert [m.name for m in merges] == ["linear", "task_arithmetic", "ties"]

@@ -160,6 +160,28 @@ def test_logits_match_float64_reference(darts_lm: DartsHFLM, plain: Any, tiny_fa
     assert (uncorrected - refs[0]).abs().max() > 0.5  # the surgery really changes the logits
 
 
+def test_set_surgery_swaps_modules_without_reloading(
+    merged: Path, plain: Any, tiny_family: Any, tmp_path: Path
+) -> None:
+    """A sweep keeps one model and swaps modules: each swap gives that module's own logits."""
+    lm = DartsHFLM(pretrained=str(merged), surgery="none", device="cpu", dtype="float32")
+    model = lm.model
+    ids = lm.tok_encode(tiny_family.prompts[0])
+    with torch.no_grad():
+        uncorrected = plain(torch.tensor([ids])).logits[0].double()
+    for task in ("math", "code"):
+        lm.set_surgery(task, str(merged / "surgery"))
+        ref = reference_logits(plain, lm.surgery.modules[task], ids)
+        torch.testing.assert_close(
+            lm._model_call(torch.tensor([ids]))[0].double(), ref, atol=1e-4, rtol=0
+        )
+    lm.set_surgery("none")
+    torch.testing.assert_close(lm._model_call(torch.tensor([ids]))[0].double(), uncorrected)
+    with pytest.raises(SurgeryFormatError, match="no surgery manifest"):
+        lm.set_surgery("auto", str(tmp_path))
+    assert lm.surgery.mode == "none" and lm.model is model  # unchanged, never reloaded
+
+
 def instance(kind: str, args: tuple, task: str = MC, idx: int = 0) -> Instance:
     return Instance(request_type=kind, doc={}, arguments=args, idx=idx, metadata=(task, idx, 1))
 

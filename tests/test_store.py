@@ -154,13 +154,34 @@ def test_entry_that_does_not_fit_its_sequences_is_a_miss(tmp_path):
 
     hidden = torch.ones(2, 3, 4)
     mask = torch.tensor([[True, True, True], [True, True, False]])
-    store.put("k", Captured(hidden, mask), persist=True)
+    store.put("k", Captured(hidden, mask), model="local:m")
     fresh = CaptureStore(tmp_path)
-    assert fresh.get("k", [3, 2], torch.float32, "cpu") is not None
-    assert CaptureStore(tmp_path).get("k", [3, 3], torch.float32, "cpu") is None  # wrong lengths
+    assert fresh.get("k", [3, 2], torch.float32, "cpu", model="local:m") is not None
+    assert (
+        CaptureStore(tmp_path).get("k", [3, 3], torch.float32, "cpu", model="local:m") is None
+    )  # wrong lengths
     assert not (tmp_path / "captures" / "k.safetensors").exists()  # discarded
-    store.put("k", Captured(hidden, mask), persist=True)
-    needs_entropy = CaptureStore(tmp_path).get("k", [3, 2], torch.float32, "cpu", (True, False))
+    store.put("k", Captured(hidden, mask), model="local:m")
+    needs_entropy = CaptureStore(tmp_path).get(
+        "k", [3, 2], torch.float32, "cpu", (True, False), model="local:m"
+    )
     assert needs_entropy is None  # an entry without entropy cannot serve a target
     assert sequences_sha256([[1, 2], [3]]) != sequences_sha256([[1], [2, 3]])
     assert "MiB" in store.summary() and "1 entries" in store.summary()
+
+
+def test_calibrate_cache_dir_option_overrides_the_block(family, loads, tmp_path):
+    from click.testing import CliRunner
+
+    from mergekit_darts.cli import main
+
+    config = tmp_path / "surgery.yml"
+    config.write_text(json.dumps(block(family)))  # JSON is YAML; the block has no cache_dir
+    args = ["calibrate", str(family["merged"]), str(config), "--quiet", "--overwrite"]
+    args += ["--cache-dir", str(tmp_path / "cli-cache")]
+    for expected in (["math", "code", "merged"], []):
+        loads.clear()
+        run = CliRunner().invoke(main, args)
+        assert run.exit_code == 0, run.output
+        assert loads == expected
+    assert list((tmp_path / "cli-cache" / "captures").glob("*.safetensors"))

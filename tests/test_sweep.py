@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import yaml
@@ -177,7 +179,10 @@ def test_cell_block_sets_grid_values_on_every_task():
         ({"grid": {"colour": [1]}}, "sweep.grid.colour: cannot be swept"),
         ({"grid": {"seed": []}}, "sweep.grid.seed: expected a non-empty list"),
         ({"eval": {"tasks": ["a"], "limt": 3}}, "sweep.eval.limt: unknown key; allowed: tasks"),
-        ({"merged": None}, "sweep.merged: input should be a valid string"),
+        ({"merged": 3}, "sweep.merged: input should be a valid string"),
+        ({"merged": None}, "sweep: give `merged: PATH` (one merged model) or `merges:"),
+        ({"merges": ["a.yml"]}, "sweep: give `merged: PATH` (one merged model) or `merges:"),
+        ({"merged": None, "merges": []}, "sweep.merges: list should have at least 1 item"),
     ],
 )
 def test_spec_errors_name_the_key(tmp_path, patch, message):
@@ -214,3 +219,222 @@ def test_lr_given_as_yaml_string_is_read_as_a_number(tmp_path):
     path = tmp_path / "sweep.yml"
     path.write_text("merged: m\nsurgery: s.yml\neval: {tasks: [a]}\ngrid: {lr: [1e-3, 5e-4]}\n")
     assert sweep.load_spec(path).grid == {"lr": [1e-3, 5e-4]}
+
+
+# --- calibrate once, train many --------------------------------------------------------------
+
+
+@pytest.fixture
+def loads(monkeypatch) -> Counter:
+    """Folder names of every model ``from_pretrained`` loads, capture or lm-eval (real calls);
+    fails if a model is loaded while another is still alive (one full model at a time)."""
+    import gc
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    loaded: Counter = Counter()
+    alive: list[weakref.ref] = []
+    original = AutoModelForCausalLM.from_pretrained
+
+    def counting(path, *args, **kwargs):
+        gc.collect()
+        assert not [ref for ref in alive if ref() is not None], "two models in memory at once"
+        loaded[Path(str(path)).name] += 1
+        model = original(path, *args, **kwargs)
+        alive.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counting)
+    return loaded
+
+
+def two_task_spec(spec_file, tiny_family, tmp_path, **changes) -> Path:
+    """The module's spec with a `code` task next to `math`: 4 surgery cells, 2 targets."""
+    spec = yaml.safe_load(spec_file.read_text())
+    math = spec["surgery"]["tasks"][0]
+    math["eval_tasks"] = ["sweep_a"]
+    code = {**math, "name": "code", "target": str(tiny_family.code), "eval_tasks": ["sweep_b"]}
+    spec["surgery"]["tasks"].append(code)
+    spec["grid"] = {"module": ["standard", "pos_corr"], "loss": ["l1", "ewl1"]}
+    spec.pop("compare")
+    spec.update(output=str(tmp_path / "out"), **changes)
+    path = tmp_path / "sweep.yml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_four_cells_two_tasks_cost_four_loads_and_a_warm_store_loads_no_target(
+    spec_file, tiny_family, tmp_path, loads
+):
+    from mergekit_darts.store import CaptureStore
+
+    path = two_task_spec(spec_file, tiny_family, tmp_path)
+    spec = sweep.load_spec(path)
+    cache = tmp_path / "cache"
+    first = sweep.run_sweep(spec, tmp_path / "out", CaptureStore(cache))
+    assert len(first) == 5  # baseline + 4 cells
+    # capture: math, code and the merge (through a cell's linked folder, "model") once each;
+    # evaluation: one hf-darts model of the merge for all 5 cells
+    assert loads == Counter({"math": 1, "code": 1, "model": 1, "merged": 1})
+    loads.clear()
+    second = sweep.run_sweep(spec, tmp_path / "again", CaptureStore(cache))  # every cell reruns
+    assert loads == Counter({"merged": 1})  # no target, no capture load: only evaluation's
+    for a, b in zip(first, second, strict=True):
+        assert (a["cell"], a["scores"], a["items"], a["rho_l1"]) == (
+            b["cell"],
+            b["scores"],
+            b["items"],
+            b["rho_l1"],
+        )
+
+
+def test_swapping_modules_scores_like_a_fresh_model_per_cell(spec_file, tiny_family, tmp_path):
+    """One model with its modules swapped between cells gives each cell's own fresh scores."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    path = two_task_spec(spec_file, tiny_family, tmp_path)
+    spec = sweep.load_spec(path)
+    records = sweep.run_sweep(spec, tmp_path / "out")
+    manager = TaskManager(include_path=spec.eval.include_path, include_defaults=False)
+    for record in (records[0], records[-1]):  # the baseline, then the last cell
+        folder = tmp_path / "out" / "cells" / record["cell"] / "model" / "surgery"
+        surgery = (
+            {"surgery": "none"}
+            if record["cell"] == "surgery-none"
+            else {
+                "surgery": "auto",
+                "surgery_path": str(folder),
+            }
+        )
+        fresh = lm_eval.simple_evaluate(
+            model="hf-darts",
+            model_args={"pretrained": spec.merged, "dtype": "float32", **surgery},
+            tasks=list(EVAL_TASKS),
+            limit=spec.eval.limit,
+            batch_size=spec.eval.batch_size,
+            device="cpu",
+            log_samples=True,
+            bootstrap_iters=0,
+            task_manager=manager,
+        )
+        assert sweep.scores_of(fresh, spec.eval)["items"] == record["items"], record["cell"]
+
+
+def merge_yamls(tiny_family, folder) -> list[str]:
+    folder.mkdir()
+    experts = [{"model": str(tiny_family.math)}, {"model": str(tiny_family.code)}]
+    configs = {
+        "linear": {"merge_method": "linear", "models": experts},
+        "task_arithmetic": {"merge_method": "task_arithmetic", "base_model": str(tiny_family.base)},
+        "dare_linear": {"merge_method": "dare_linear", "base_model": str(tiny_family.base)},
+    }
+    paths = []
+    for name, config in configs.items():
+        if name != "linear":
+            config["models"] = [
+                {**e, "parameters": {"weight": 0.5, "density": 0.5}} for e in experts
+            ]
+        else:
+            config["models"] = [{**e, "parameters": {"weight": 0.5}} for e in experts]
+        config |= {"dtype": "float32", "surgery": {"tasks": "ignored: the sweep's grid runs"}}
+        (folder / f"{name}.yml").write_text(yaml.safe_dump(config))
+        paths.append(str(folder / f"{name}.yml"))
+    return paths
+
+
+def test_merge_grid_captures_targets_once_and_marks_the_best_merge(
+    spec_file, tiny_family, tmp_path, loads
+):
+    yamls = merge_yamls(tiny_family, tmp_path / "merges")
+    spec_data = yaml.safe_load(spec_file.read_text())
+    spec_data.pop("merged")
+    spec_data.pop("compare")
+    spec_data |= {"merges": yamls, "grid": {"module": ["standard", "pos_corr"]}}
+    spec_data["output"] = str(tmp_path / "out")
+    path = tmp_path / "grid.yml"
+    path.write_text(yaml.safe_dump(spec_data, sort_keys=False))
+    run = CliRunner().invoke(sweep.sweep_command, [str(path)])
+    assert run.exit_code == 0, run.output
+    # K + M capture loads (math once, each merge once through a cell folder) + M evaluation models
+    assert loads == Counter(
+        {"math": 1, "model": 3, "linear": 1, "task_arithmetic": 1, "dare_linear": 1}
+    )
+    out = tmp_path / "out"
+    assert all((out / "merges" / n / "config.json").is_file() for n in ("linear", "dare_linear"))
+    assert not (
+        out / "merges" / "dare_linear" / "surgery"
+    ).exists()  # the YAML's own block is not run
+
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["cells"]) == 9 and results["axes"] == ["merge", "module"]
+    expected = {}  # the best merge per method, from the cells, independently of the code
+    for cell in results["cells"]:
+        settings = dict(cell["settings"])
+        merge = settings.pop("merge")
+        method = "surgery=none" if settings.get("surgery") else f"module={settings['module']}"
+        avg = sum(cell["scores"].values()) / len(cell["scores"])
+        if method not in expected or avg > expected[method][0]:
+            expected[method] = (avg, merge)
+    assert results["best_merge"] == {m: merge for m, (_, merge) in expected.items()}
+    markdown = (out / "results.md").read_text()
+    assert "| merge | module | sweep_a | sweep_b | Avg. | ρ_L1 (%) |" in markdown
+    assert markdown.count("★ |") == 3 and "## Best merge per method" in markdown
+    table = markdown.split("## Best merge")[0]
+    for name in ("linear", "task_arithmetic", "dare_linear"):
+        assert table.count(f"| {name}") == 3  # baseline + 2 modules, each naming its merge
+    assert "| none (no surgery) |" in markdown
+
+    loads.clear()
+    again = CliRunner().invoke(sweep.sweep_command, [str(path)])
+    assert again.exit_code == 0, again.output
+    assert not loads and again.output.count("done earlier, kept") == 3  # resumed: nothing redone
+
+
+def test_merge_grid_errors_before_any_merge(spec_file, tmp_path):
+    spec = yaml.safe_load(spec_file.read_text())
+    spec.pop("merged")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "m.yml").write_text("merge_method: linear\nmodels: []\n")
+    (tmp_path / "m.yml").write_text("merge_method: nope\n")
+    spec["merges"] = [str(tmp_path / "a" / "m.yml"), str(tmp_path / "m.yml")]
+    path = tmp_path / "grid.yml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SurgeryConfigError, match=r"sweep.merges\[1\]: .* share the name 'm'"):
+        sweep.run_sweep(sweep.load_spec(path), tmp_path / "out")
+    spec["merges"] = [str(tmp_path / "m.yml")]
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SurgeryConfigError, match=r"sweep.merges\[0\]: .* is not a mergekit config"):
+        sweep.run_sweep(sweep.load_spec(path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_best_merge_is_the_highest_mean_average_per_method():
+    def cell(merge, module, seed, a, b):
+        settings = {"merge": merge, "module": module, "seed": seed}
+        return {"cell": f"{merge}-{module}-{seed}", "settings": settings, "rho_l1": {}}, (a, b)
+
+    raw = [
+        cell("ties", "standard", 0, 40, 42),
+        cell("ties", "standard", 1, 44, 40),  # mean avg 41.5
+        cell("dare", "standard", 0, 43, 41),
+        cell("dare", "standard", 1, 40, 41),  # mean avg 41.25
+        cell("ties", "pos_corr", 0, 30, 30),
+        cell("dare", "pos_corr", 0, 31, 30),
+    ]
+    records = [{**r, "scores": {"a": a, "b": b}} for r, (a, b) in raw]
+    records.append(
+        {
+            "cell": "dare-none",
+            "settings": {"merge": "dare", "surgery": "none"},
+            "scores": {"a": 1.0, "b": 2.0},
+            "rho_l1": {},
+        }
+    )
+    rows = sweep.config_rows(records, ["a", "b"])
+    best = {sweep.method_label(r["config"]): r["config"]["merge"] for r in rows if r["best"]}
+    assert best == {"module=standard": "ties", "module=pos_corr": "dare", "surgery=none": "dare"}
+    markdown = sweep.results_markdown(records, ["a", "b"])
+    assert "| ties ★ | standard | 42.0 ± 2.8 | 41.0 ± 1.4 | 41.5 ± 0.7 |" in markdown
+    assert "| dare | standard |" in markdown and "| dare ★ | none (no surgery) |" in markdown

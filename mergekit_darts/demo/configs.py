@@ -89,8 +89,13 @@ def merge_config(
     experts: dict[str, Path],
     calib_files: dict[str, Path],
     steps: int = 500,
+    cache_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """The full merge YAML (as a dict) of one method, surgery block included."""
+    """The full merge YAML (as a dict) of one method, surgery block included.
+
+    With ``cache_dir`` the four merges share one capture store: each expert is captured once for
+    the whole demo, and a re-run (or ``examples/sweep.yml`` after it) loads no expert.
+    """
     parameters, uses_base = METHODS[method]
     config: dict[str, Any] = {"merge_method": method}
     if uses_base:
@@ -99,7 +104,10 @@ def merge_config(
         {"model": _rel(experts[d]), "parameters": dict(parameters)} for d in DOMAIN_NAMES
     ]
     config["dtype"] = "float32"
-    config["surgery"] = {"steps": steps, "tasks": _surgery_tasks(experts, calib_files)}
+    config["surgery"] = {"steps": steps}
+    if cache_dir is not None:
+        config["surgery"]["cache_dir"] = _rel(cache_dir)
+    config["surgery"]["tasks"] = _surgery_tasks(experts, calib_files)
     return config
 
 

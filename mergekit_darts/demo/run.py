@@ -151,7 +151,14 @@ def merged_rows(
 ) -> tuple[list[Row], list[Point]]:
     """No surgery, then each surgery variant, on one merge; with the held-out evidence."""
     calib = {d: family.calib_file(d) for d in DOMAIN_NAMES}
-    config = merge_config(method, family.base, family.experts, calib, steps=settings.steps)
+    config = merge_config(
+        method,
+        family.base,
+        family.experts,
+        calib,
+        steps=settings.steps,
+        cache_dir=settings.out / "captures",
+    )
     config_path = write_config(config, settings.out / "configs" / f"{method}.yml")
     merged = merge_with_surgery(
         config_path, settings.out / "merges" / method, settings.seed, settings.fresh
