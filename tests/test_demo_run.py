@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from mergekit_darts.demo.configs import METHODS, VARIANTS, merge_config
+from mergekit_darts.demo.configs import METHODS, VARIANTS, fixed_variant, merge_config
 from mergekit_darts.demo.domains import DOMAIN_NAMES
 from mergekit_darts.demo.run import DemoSettings, markdown_table, run_demo
 
@@ -41,6 +41,17 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
         for kind in ("delta_heatmap", "delta_by_position"):
             png = out / "figures" / f"task_arithmetic_{domain}_{kind}.png"
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each select task keeps one fixed variant, refit on every prompt: the same module, byte for byte
+    surgery = out / "merges/task_arithmetic/surgery"
+    for variant in (v for v in VARIANTS if v.selects):
+        for domain in DOMAIN_NAMES:
+            selection = manifest["tasks"][domain + variant.suffix]["selection"]
+            chosen = selection["candidates"][selection["chosen"]]
+            fixed = fixed_variant(chosen, variant.continuation_tokens)
+            assert (surgery / f"{domain}{variant.suffix}.safetensors").read_bytes() == (
+                surgery / f"{domain}{fixed.suffix}.safetensors"
+            ).read_bytes()
+    assert "pooled" in (out / "selection.md").read_text()
     # a second run is served from the caches and gives the same table
     again = run_demo(settings)
     assert again["rows"] == results["rows"]

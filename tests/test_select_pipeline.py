@@ -12,7 +12,7 @@ import torch
 from tiny import build_tokenizer, tiny_config
 from transformers import GraniteConfig, GraniteForCausalLM
 
-from mergekit_darts import head, run_surgery
+from mergekit_darts import head, load_surgery, run_surgery
 from mergekit_darts.pipeline import SurgeryRunError
 
 CANDIDATES = [
@@ -94,6 +94,8 @@ def test_refit_equals_a_fixed_task_with_the_chosen_settings(
     run_surgery(other, fixed, progress=False)
     a = (merged / "surgery" / "math.safetensors").read_bytes()
     assert a == (other / "surgery" / "math.safetensors").read_bytes()
+    module = load_surgery(merged / "surgery", "math")  # the manifest names the kept module
+    assert module.kind == settings["module"]
 
 
 def test_fixed_task_with_holdout_trains_without_the_held_out_prompts(
