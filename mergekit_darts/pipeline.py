@@ -51,6 +51,7 @@ from .store import (
     SurgeryRunError,
     capture_merged,
     capture_target,
+    check_cache_dir,
     group_by_target,
     merged_tokenizer,
     stage,
@@ -93,6 +94,7 @@ def prepare_surgery(
     config = parse_surgery(surgery_config if isinstance(surgery_config, SurgeryConfig) else block)
     tasks = resolve_tasks(config)
     check_output(out_path, overwrite)
+    check_cache_dir(config.cache_dir)
     for task in tasks:
         calibration_file(task)
     targets = check_targets(
