@@ -55,6 +55,7 @@ from .store import (
     SurgeryRunError,
     capture_merged,
     capture_target,
+    check_cache_dir,
     group_by_target,
     merged_tokenizer,
     stage,
@@ -97,6 +98,7 @@ def prepare_surgery(
     config = parse_surgery(surgery_config if isinstance(surgery_config, SurgeryConfig) else block)
     tasks = resolve_tasks(config)
     check_output(out_path, overwrite)
+    check_cache_dir(config.cache_dir)
     for task in tasks:
         calibration_file(task)
     targets = check_targets(

@@ -18,9 +18,11 @@ hashed by content.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -133,11 +135,32 @@ class StoreStats:
         return {k: getattr(self, k) - getattr(earlier, k) for k in vars(self)}
 
 
+def check_cache_dir(cache_dir: str | Path | None) -> Path | None:
+    """The store's folder (resolved from the working directory), created and checked writable.
+
+    Called before any model is loaded, so a bad ``cache_dir`` costs no merge and no capture.
+    """
+    if not cache_dir:
+        return None
+    folder = Path(cache_dir).expanduser().resolve()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise SurgeryConfigError(
+            f"surgery.cache_dir: cannot write the capture store to {folder} "
+            f"({err.strerror or err}); choose a writable folder or remove the key"
+        ) from None
+    return folder
+
+
 class CaptureStore:
     """Captures and prompt completions by key: in memory, and on disk under ``cache_dir``."""
 
     def __init__(self, cache_dir: str | Path | None = None) -> None:
-        self.cache_dir = Path(cache_dir).expanduser().resolve() if cache_dir else None
+        self.cache_dir = check_cache_dir(cache_dir)
         self._captures: dict[str, Captured] = {}
         self._completions: dict[str, list[list[int]]] = {}
         self._owner: dict[str, str] = {}  # key -> identity of the model it came from
@@ -209,8 +232,8 @@ class CaptureStore:
         except (KeyError, ValueError):
             self._discard(COMPLETIONS, key)
             return None
-        ends = [sum(lengths[: i + 1]) for i in range(n)]
-        found = [tokens[end - length : end] for end, length in zip(ends, lengths, strict=True)]
+        starts = [0, *itertools.accumulate(lengths)]
+        found = [tokens[a:b] for a, b in itertools.pairwise(starts)]
         self.stats.from_disk += 1
         self._completions[key] = found
         self._owner[key] = model
@@ -269,7 +292,8 @@ class CaptureStore:
             tmp.unlink(missing_ok=True)
 
     def _discard(self, kind: str, key: str) -> None:
-        self._path(kind, key).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # overwritten by the next write anyway
+            self._path(kind, key).unlink(missing_ok=True)
 
     def disk_bytes(self) -> tuple[int, int]:
         """(entries, bytes) under ``cache_dir``."""

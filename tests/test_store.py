@@ -185,3 +185,13 @@ def test_calibrate_cache_dir_option_overrides_the_block(family, loads, tmp_path)
         assert run.exit_code == 0, run.output
         assert loads == expected
     assert list((tmp_path / "cli-cache" / "captures").glob("*.safetensors"))
+
+
+def test_unwritable_cache_dir_is_refused_before_any_load(family, loads, tmp_path):
+    from mergekit_darts.config import SurgeryConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SurgeryConfigError, match=r"surgery.cache_dir: cannot write the capture"):
+        run_surgery(family["merged"], block(family, blocker / "cache"), progress=False)
+    assert loads == [] and not (family["merged"] / "surgery").exists()
