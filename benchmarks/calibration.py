@@ -220,7 +220,7 @@ def bare_adam_loop(module: Any, merged: Any, target: Any, steps: int, batch_size
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3, betas=(0.9, 0.999))
     positions = positions_of(merged.mask)
     batches = _epoch_batches(
-        merged.hidden.shape[0], batch_size, torch.Generator().manual_seed(seed)
+        torch.arange(merged.hidden.shape[0]), batch_size, torch.Generator().manual_seed(seed)
     )
     for _ in range(steps):
         rows = next(batches).to(device)
