@@ -171,3 +171,23 @@ def test_selection_reads_heads_back_from_the_disk_store(
     assert second["captures"]["from_disk"] == 2 and second["captures"]["model_loads"] == 0
     assert second["tasks"]["math"]["selection"] == first["tasks"]["math"]["selection"]
     assert first["tasks"]["math"]["held_out"]["all"]["kl_after"] is not None
+
+
+def test_printed_summary_shows_every_candidate_and_the_kept_one(selected):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from mergekit_darts.card import print_summary
+
+    _, _, manifest = selected
+    out = StringIO()
+    print_summary(manifest, Console(file=out, width=140))
+    text = out.getvalue()
+    selection = manifest["tasks"]["math"]["selection"]
+    kept = selection["candidates"][selection["chosen"]]
+    assert text.count("✓ by agreement") == 1
+    kept_line = next(line for line in text.splitlines() if "✓ by agreement" in line)
+    assert f"{kept['module']} + {kept['loss']}" in kept_line
+    assert "standard + l1" in text and "pos_corr + ewl1, rank 4" in text  # rank differs: shown
+    assert "all (before refit)" in text and "completion (before refit)" in text
