@@ -35,7 +35,9 @@ HIDDEN, HEADS, RANK = 128, 4, 4
 MAX_POSITIONS = 48
 MAX_MODEL_LEN = 128
 # vLLM's CPU engine settings for the tests: its CPU attention wants block_size 32
-ENGINE = dict(dtype="float32", enforce_eager=True, block_size=32, max_model_len=MAX_MODEL_LEN, seed=0)
+ENGINE = dict(
+    dtype="float32", enforce_eager=True, block_size=32, max_model_len=MAX_MODEL_LEN, seed=0
+)
 
 
 @dataclass
@@ -61,19 +63,36 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     root = tmp_path_factory.mktemp("vllm")
     tokenizer = build_tokenizer()
     merged = root / "merged"
-    model = save_model(merged, tokenizer, seed=0, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                       num_key_value_heads=HEADS)
+    model = save_model(
+        merged,
+        tokenizer,
+        seed=0,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+    )
     module = random_module(seed=1)
-    entry = dict(module="pos_corr", rank=RANK, max_positions=MAX_POSITIONS, loss="ewl1", steps=0,
-                 lr=1e-3, seed=0, target="./math", calibration={}, metrics={},
-                 eval_tasks=["darts_tiny_gen", "darts_tiny_mc"])
-    manifest = {"hidden_size": HIDDEN, "vocab_size": model.config.vocab_size,
-                "tasks": {"math": entry}}
+    entry = dict(
+        module="pos_corr",
+        rank=RANK,
+        max_positions=MAX_POSITIONS,
+        loss="ewl1",
+        steps=0,
+        lr=1e-3,
+        seed=0,
+        target="./math",
+        calibration={},
+        metrics={"rho_l1": 0.0},
+        eval_tasks=["darts_tiny_gen", "darts_tiny_mc"],
+    )
+    manifest = {
+        "hidden_size": HIDDEN,
+        "vocab_size": model.config.vocab_size,
+        "tasks": {"math": entry},
+    }
     write_surgery_folder(merged / "surgery", {"math": module}, manifest)
     dest = root / "dest"
-    subprocess.run(
-        [BIN / "mergekit-darts", "export", merged, "--task", "math", dest], check=True
-    )
+    subprocess.run([BIN / "mergekit-darts", "export", merged, "--task", "math", dest], check=True)
     assert json.loads((dest / "config.json").read_text())["model_type"] == "darts"
     return Exported(merged, dest, module, model.config.vocab_size)
 

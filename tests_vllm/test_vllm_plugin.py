@@ -79,8 +79,9 @@ def test_logprobs_and_greedy_tokens_match_under_batching_and_chunked_prefill(
     from vllm import SamplingParams
 
     v = exported.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=v, prompt_logprobs=v,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=12, logprobs=v, prompt_logprobs=v, ignore_eos=True
+    )
     # lengths 3..60: one batch mixes short prompts with ones prefilled in 32-token chunks, and
     # generation runs past max_positions (48), where the position term stops
     prompts = [prompt(n, offset=n) for n in (3, 9, 20, 40, 60)]
@@ -97,8 +98,9 @@ def test_prefix_cached_requests_keep_absolute_positions(llm, exported: Exported,
 
     v = exported.vocab_size
     shared = prompt(40, offset=3)  # > one 32-token block, so its first block is cached
-    first = llm.generate([shared + " one"], SamplingParams(temperature=0, max_tokens=1),
-                         use_tqdm=False)[0]
+    first = llm.generate(
+        [shared + " one"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False
+    )[0]
     # prompt log-probs would make vLLM skip the prefix cache: ask for generated ones only
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=v, ignore_eos=True)
     outputs = llm.generate([shared + " two three", shared + " if x"], params, use_tqdm=False)
@@ -108,7 +110,9 @@ def test_prefix_cached_requests_keep_absolute_positions(llm, exported: Exported,
     assert first.outputs[0].token_ids
 
 
-def test_a_broken_darts_section_is_refused_before_loading(exported: Exported, tmp_path: Path) -> None:
+def test_a_broken_darts_section_is_refused_before_loading(
+    exported: Exported, tmp_path: Path
+) -> None:
     from vllm import LLM
 
     dest = copy_export(exported, tmp_path / "dest")

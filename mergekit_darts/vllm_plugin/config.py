@@ -17,10 +17,10 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from ..export import FORMAT, VERSION
 from ..modules import MODULE_KINDS
 
 MODEL_TYPE = "darts"
-FORMAT, VERSION = "darts-export", 1
 _INTS = ("rank", "max_positions", "hidden_size")
 
 
