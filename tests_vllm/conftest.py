@@ -24,6 +24,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default 
 
 import torch  # noqa: E402
 from tiny import build_tokenizer, save_model  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from mergekit_darts import SurgeryModule, build_module  # noqa: E402
 from mergekit_darts.artifacts import write_surgery_folder  # noqa: E402
@@ -98,20 +99,23 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
 
 
 @pytest.fixture(scope="session")
-def llm(exported: Exported):
-    """One engine for every in-process check: chunked prefill and prefix caching on, small chunks."""
-    from vllm import LLM
+def reference(exported: Exported):
+    """token ids -> [T, V] float64 log-probs of the next token at each position, with surgery."""
+    model = LlamaForCausalLM.from_pretrained(exported.merged, dtype=torch.float64).eval()
+    state = {k: v.double() for k, v in exported.module.state_dict().items()}
+    head = model.get_output_embeddings().weight.detach().double()
 
-    engine = LLM(
-        model=str(exported.dest),
-        max_logprobs=exported.vocab_size,  # full-vocabulary log-probs
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=32,  # a prompt longer than this is prefilled in chunks
-        **ENGINE,
-    )
-    yield engine
-    del engine
+    def run(ids: list[int], surgery: bool = True) -> torch.Tensor:
+        with torch.no_grad():
+            h = model.model(torch.tensor([ids])).last_hidden_state[0].double()
+        if surgery:
+            p = torch.arange(len(ids))
+            bias = state["position_bias"][p.clamp(max=MAX_POSITIONS - 1)]
+            bias = bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
+            h = h - torch.relu(h @ state["down.weight"].T) @ state["up.weight"].T - bias
+        return torch.log_softmax(h @ head.T, dim=-1)
+
+    return run
 
 
 @pytest.fixture(scope="session")

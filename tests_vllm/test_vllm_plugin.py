@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MAX_POSITIONS, Exported, copy_export
-from transformers import LlamaForCausalLM
+from conftest import ENGINE, HIDDEN, RANK, Exported, copy_export, random_module
 
 TOL = 1e-5
 WORDS = "the sun and the moon one two three four five six seven if x is not y then print".split()
@@ -27,23 +26,20 @@ def prompt(n: int, offset: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(exported: Exported):
-    """token ids -> [T, V] float64 log-probs of the next token at each position, with surgery."""
-    model = LlamaForCausalLM.from_pretrained(exported.merged, dtype=torch.float64).eval()
-    state = {k: v.double() for k, v in exported.module.state_dict().items()}
-    head = model.get_output_embeddings().weight.detach().double()
+def llm(exported: Exported):
+    """One engine for every in-process check: chunked prefill and prefix caching on, small chunks."""
+    from vllm import LLM
 
-    def run(ids: list[int], surgery: bool = True) -> torch.Tensor:
-        with torch.no_grad():
-            h = model.model(torch.tensor([ids])).last_hidden_state[0].double()
-        if surgery:
-            p = torch.arange(len(ids))
-            bias = state["position_bias"][p.clamp(max=MAX_POSITIONS - 1)]
-            bias = bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
-            h = h - torch.relu(h @ state["down.weight"].T) @ state["up.weight"].T - bias
-        return torch.log_softmax(h @ head.T, dim=-1)
-
-    return run
+    engine = LLM(
+        model=str(exported.dest),
+        max_logprobs=exported.vocab_size,  # full-vocabulary log-probs
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,  # a prompt longer than this is prefilled in chunks
+        **ENGINE,
+    )
+    yield engine
+    del engine
 
 
 def as_matrix(rows: list[dict], vocab_size: int) -> torch.Tensor:
@@ -120,9 +116,28 @@ def test_a_broken_darts_section_is_refused_before_loading(
     config["darts"]["version"] = 99
     (dest / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception) as info:
-        LLM(model=str(dest), **__import__("conftest").ENGINE)
+        LLM(model=str(dest), **ENGINE)
     chain, err = [], info.value
     while err is not None:
         chain.append(str(err))
         err = err.__cause__ or err.__context__
     assert any("version 99" in message and "mergekit-darts" in message for message in chain), chain
+
+
+def test_surgery_tensors_that_do_not_fit_the_config_are_refused() -> None:
+    """The check inside load_weights, on the real class, without an engine start."""
+    from types import SimpleNamespace
+
+    from mergekit_darts.vllm_plugin.model import SURGERY, darts_model_class
+
+    cls = darts_model_class("LlamaForCausalLM")
+    model = SimpleNamespace(_darts_prefix="darts_surgery.")
+    setattr(model, SURGERY, random_module(seed=3))
+    wrong_rank = {k: v for k, v in random_module(seed=3).state_dict().items()}
+    wrong_rank["down.weight"] = torch.zeros(RANK + 1, HIDDEN)
+    for tensors in (wrong_rank, {}):
+        with pytest.raises(ValueError, match="do not match the pos_corr module"):
+            cls._load_surgery(model, tensors)
+    fitting = random_module(seed=4).state_dict()
+    assert cls._load_surgery(model, fitting) == {f"{SURGERY}.{k}" for k in fitting}
+    assert torch.equal(getattr(model, SURGERY).position_bias, fitting["position_bias"])
