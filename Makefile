@@ -63,5 +63,9 @@ install-vllm: $(STAMP_VLLM)
 test-vllm: install-vllm
 	$(BIN_VLLM)/python -m pytest -q tests_vllm; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
+## vLLM (with the plugin) vs hf-darts generate_until tokens/s -> benchmarks/results/bench-vllm.*
+bench-vllm: install-vllm
+	$(BIN_VLLM)/python -m benchmarks.vllm
+
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache .ruff_cache
