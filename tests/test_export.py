@@ -313,6 +313,47 @@ def test_shipped_file_imports_only_torch_and_transformers() -> None:
     assert imported - set(sys.stdlib_module_names) == {"torch", "transformers"}
 
 
+def test_lm_eval_hf_on_the_export_equals_hf_darts(merged: Path, exported: Path) -> None:
+    """The model card's ``lm_eval --model hf ... trust_remote_code=True`` gives hf-darts' answers."""
+    import contextlib
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval_darts.model  # noqa: F401  (registers hf-darts)
+
+    tasks_dir = Path(__file__).parent / "lm_eval_tasks"
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+
+    def responses(model: str, model_args: dict[str, Any]) -> dict[str, list]:
+        with contextlib.chdir(tasks_dir):  # the task YAMLs name their data relative to it
+            out = simple_evaluate(
+                model=model,
+                model_args={"device": "cpu", "dtype": "float32", **model_args},
+                tasks=["darts_tiny_mc", "darts_tiny_gen"],
+                batch_size=4,
+                task_manager=manager,
+                bootstrap_iters=0,
+                log_samples=True,
+            )
+        return {
+            task: [s["resps"] for s in sorted(samples, key=lambda s: s["doc_id"])]
+            for task, samples in out["samples"].items()
+        }
+
+    ours = responses("hf", {"pretrained": str(exported / "pos_corr"), "trust_remote_code": True})
+    theirs = responses("hf-darts", {"pretrained": str(merged), "surgery": "pos_corr"})
+    plain = responses("hf", {"pretrained": str(merged)})
+    assert ours["darts_tiny_gen"] == theirs["darts_tiny_gen"]
+
+    def loglikelihoods(result: dict[str, list]) -> list[float]:
+        return [float(r[0][0]) for doc in result["darts_tiny_mc"] for r in doc]
+
+    assert loglikelihoods(ours) == pytest.approx(loglikelihoods(theirs), abs=1e-5)
+    gaps = [abs(a - b) for a, b in zip(loglikelihoods(ours), loglikelihoods(plain), strict=True)]
+    assert max(gaps) > 0.1  # and the correction changes them
+
+
 # ---- other architectures: tied embeddings, logit softcapping, sharded weights ----------------------
 
 

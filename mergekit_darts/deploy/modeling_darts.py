@@ -258,7 +258,7 @@ def darts_model_class(base_architecture: str, base_model_type: str) -> type:
     keep = set(getattr(base, "_keep_in_fp32_modules", None) or ()) | {"darts_surgery"}
     parameters = list(inspect.signature(base.forward).parameters.values())[1:]  # without self
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return type(
+    model_class = type(
         f"Darts{base_architecture}",
         (_DartsModelMixin, base),
         {
@@ -270,6 +270,10 @@ def darts_model_class(base_architecture: str, base_model_type: str) -> type:
             "_darts_forward_names": tuple(p.name for p in parameters if p.kind in kinds),
         },
     )
+    # what transformers' auto classes did for DartsForCausalLM, for the class actually built
+    # (pipelines check the model's class against this mapping)
+    transformers.AutoModelForCausalLM.register(model_class.config_class, model_class, exist_ok=True)
+    return model_class
 
 
 def _model_class(config: Any) -> type:
