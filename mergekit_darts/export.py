@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 import yaml
 from safetensors.torch import save_file
 
@@ -122,6 +123,11 @@ class _Source:
             )
         if not model_type or not architectures:
             raise ExportError(f"{out / 'config.json'} names no model_type and architectures")
+        if "auto_map" in config or not hasattr(transformers, architectures[0]):
+            raise ExportError(
+                f"{out} is a {architectures[0]} from custom code; export supports the decoders "
+                "transformers itself ships (the exported folder builds on transformers' class)"
+            )
         if not (out / "surgery").is_dir():
             raise ExportError(
                 f"{out} has no surgery/ folder: run `mergekit-darts calibrate {out} SURGERY_YML` "
@@ -220,7 +226,12 @@ def _write_folder(
     for shard in source.shards():
         _place(source.out / shard, folder / renamed.get(shard, shard), link)
     for file in sorted(source.out.iterdir()):
-        if file.is_file() and file.name not in _NOT_COPIED and file.suffix not in _WEIGHT_SUFFIXES:
+        if (
+            file.is_file()
+            and not file.name.startswith(".")
+            and file.name not in _NOT_COPIED
+            and file.suffix not in _WEIGHT_SUFFIXES
+        ):
             shutil.copyfile(file, folder / file.name)
     tensors = {
         PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()
@@ -314,8 +325,11 @@ def model_card(source: _Source, task: str, name: str) -> str:
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
         f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
-        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)',
         "```",
+        "",
+        "(The tokenizer is the merge's own; the flag only spares AutoTokenizer a prompt about "
+        "the folder's custom config.)",
         "",
         "## Serve",
         "",

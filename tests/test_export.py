@@ -393,6 +393,9 @@ def test_other_decoders(model_type: str, tmp_path: Path) -> None:
     with torch.no_grad():
         logits = exported(**inputs).logits
         torch.testing.assert_close(logits, reference(**inputs).logits, rtol=0, atol=1e-6)
+        tokens = exported.generate(**inputs, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+        want = reference.generate(**inputs, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, want)
     plain = AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
     assert (logits - head_input(plain, inputs)[1]).abs().max() > 0.1
     if model_type == "qwen2":
@@ -520,6 +523,9 @@ def test_other_bad_sources(merged: Path, exported: Path, tmp_path: Path) -> None
     config = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps(config | {"hidden_size": 32}))
     assert "hidden size 64" in fail(str(wrong), "--task", "add", str(tmp_path / "a"))
+    custom = {"architectures": ["MyLlamaForCausalLM"], "auto_map": {"AutoModel": "my.Model"}}
+    (wrong / "config.json").write_text(json.dumps(config | custom))
+    assert "from custom code" in fail(str(wrong), "--task", "add", str(tmp_path / "a"))
     assert not (tmp_path / "a").exists()
 
 

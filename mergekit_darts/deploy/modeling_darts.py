@@ -70,9 +70,13 @@ class DartsSurgery(nn.Module):
         self.kind, self.max_positions = kind, max_positions
         self.down, self.up = _Matrix(rank, hidden_size), _Matrix(hidden_size, rank)
         if kind == "pos_corr":
-            self.position_bias = nn.Parameter(torch.zeros(max_positions, hidden_size))
+            self.position_bias = nn.Parameter(
+                torch.zeros(max_positions, hidden_size, dtype=torch.float32)
+            )
         if kind in ("add", "parallel"):
-            self.position_embedding = nn.Parameter(torch.zeros(max_positions, hidden_size))
+            self.position_embedding = nn.Parameter(
+                torch.zeros(max_positions, hidden_size, dtype=torch.float32)
+            )
         if kind == "parallel":
             self.position_down = _Matrix(rank, hidden_size)
             self.position_up = _Matrix(hidden_size, rank)
