@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 import transformers.dynamic_module_utils
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
@@ -170,9 +171,11 @@ def test_logits_equal_apply_surgery_and_a_float64_reference(
     with torch.no_grad():
         logits = model(**batch).logits
         last = model(**batch, logits_to_keep=1).logits
+        positional = model(batch["input_ids"], batch["attention_mask"]).logits
         expected = reference_model(merged, kind)(**batch).logits
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(last, logits[:, -1:], rtol=0, atol=1e-6)
+    assert torch.equal(positional, logits)
 
     plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     h, plain_logits = head_input(plain, batch)
@@ -240,6 +243,14 @@ def test_save_pretrained_round_trip(
     again = load(tmp_path / "saved")
     with torch.no_grad():
         assert torch.equal(again(**batch).logits, model(**batch).logits)
+
+
+def test_from_config_builds_an_identity_surgery(exported: Path) -> None:
+    config = AutoConfig.from_pretrained(exported / "pos_corr", trust_remote_code=True)
+    assert config.model_type == "darts" and isinstance(config, transformers.LlamaConfig)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    assert type(model).__name__ == "DartsLlamaForCausalLM"
+    assert all(not p.any() for p in model.darts_surgery.parameters())
 
 
 def test_loading_needs_trust_remote_code(exported: Path) -> None:
