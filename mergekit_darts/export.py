@@ -28,6 +28,7 @@ import yaml
 from safetensors.torch import save_file
 
 from .artifacts import SurgeryFormatError, load_surgery, read_manifest, resolve_task
+from .card import RHO_L1_NOTE, TAGS
 from .config import SurgeryError
 
 LINKS = ("symlink", "hardlink", "copy")
@@ -62,13 +63,13 @@ def export(
 ) -> list[Path]:
     """Export ``task`` (or with ``all_tasks`` every task, as ``DEST/<task>/``) of the merged folder
     ``out_path``; returns the folders written."""
-    out, dest = Path(out_path), Path(dest)
-    source = _Source.read(out)
     if all_tasks == (task is not None):
         raise ExportError("pass either --task NAME or --all")
-    tasks = list(source.manifest["tasks"]) if all_tasks else [_task(source, task)]
     if link not in LINKS:
         raise ExportError(f"unknown --link {link!r}; choose one of {', '.join(LINKS)}")
+    out, dest = Path(out_path), Path(os.path.abspath(dest))  # abspath: "." and "x/" have names
+    source = _Source.read(out)
+    tasks = list(source.manifest["tasks"]) if all_tasks else [_task(source, task)]
     _check_dest(dest)
     if link == "hardlink":
         _check_same_filesystem(source, dest)
@@ -290,7 +291,7 @@ def model_card(source: _Source, task: str, name: str) -> str:
     hub_models = [m for m in models if _looks_like_hub_id(m)]
     front = {
         "library_name": "transformers",
-        "tags": ["darts", "representation-surgery", "mergekit", "merge"],
+        "tags": [*TAGS, "mergekit", "merge"],
         **({"base_model": hub_models} if hub_models else {}),
     }
     rho = entry["metrics"]["rho_l1"]
@@ -312,8 +313,7 @@ def model_card(source: _Source, task: str, name: str) -> str:
         f"| `{task}` | `{entry.get('target', '')}` | {', '.join(eval_tasks)} | {entry['module']} | "
         f"{entry.get('loss', '')} | {entry['rank']} | {entry['max_positions']} | {rho:.3f} |",
         "",
-        "ρ_L1 = 1 − Σδ_after / Σδ_before on the calibration tokens: the share of the merged "
-        "model's hidden-state gap to the target that the module removes (higher is better).",
+        RHO_L1_NOTE,
         "",
         "## Load",
         "",
