@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 import yaml
 from safetensors.torch import save_file
 
 from .artifacts import SurgeryFormatError, load_surgery, read_manifest, resolve_task
+from .card import RHO_L1_NOTE, TAGS
 from .config import SurgeryError
 
 LINKS = ("symlink", "hardlink", "copy")
@@ -61,13 +63,13 @@ def export(
 ) -> list[Path]:
     """Export ``task`` (or with ``all_tasks`` every task, as ``DEST/<task>/``) of the merged folder
     ``out_path``; returns the folders written."""
-    out, dest = Path(out_path), Path(dest)
-    source = _Source.read(out)
     if all_tasks == (task is not None):
         raise ExportError("pass either --task NAME or --all")
-    tasks = list(source.manifest["tasks"]) if all_tasks else [_task(source, task)]
     if link not in LINKS:
         raise ExportError(f"unknown --link {link!r}; choose one of {', '.join(LINKS)}")
+    out, dest = Path(out_path), Path(os.path.abspath(dest))  # abspath: "." and "x/" have names
+    source = _Source.read(out)
+    tasks = list(source.manifest["tasks"]) if all_tasks else [_task(source, task)]
     _check_dest(dest)
     if link == "hardlink":
         _check_same_filesystem(source, dest)
@@ -122,6 +124,11 @@ class _Source:
             )
         if not model_type or not architectures:
             raise ExportError(f"{out / 'config.json'} names no model_type and architectures")
+        if "auto_map" in config or not hasattr(transformers, architectures[0]):
+            raise ExportError(
+                f"{out} is a {architectures[0]} from custom code; export supports the decoders "
+                "transformers itself ships (the exported folder builds on transformers' class)"
+            )
         if not (out / "surgery").is_dir():
             raise ExportError(
                 f"{out} has no surgery/ folder: run `mergekit-darts calibrate {out} SURGERY_YML` "
@@ -220,7 +227,12 @@ def _write_folder(
     for shard in source.shards():
         _place(source.out / shard, folder / renamed.get(shard, shard), link)
     for file in sorted(source.out.iterdir()):
-        if file.is_file() and file.name not in _NOT_COPIED and file.suffix not in _WEIGHT_SUFFIXES:
+        if (
+            file.is_file()
+            and not file.name.startswith(".")
+            and file.name not in _NOT_COPIED
+            and file.suffix not in _WEIGHT_SUFFIXES
+        ):
             shutil.copyfile(file, folder / file.name)
     tensors = {
         PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()
@@ -279,7 +291,7 @@ def model_card(source: _Source, task: str, name: str) -> str:
     hub_models = [m for m in models if _looks_like_hub_id(m)]
     front = {
         "library_name": "transformers",
-        "tags": ["darts", "representation-surgery", "mergekit", "merge"],
+        "tags": [*TAGS, "mergekit", "merge"],
         **({"base_model": hub_models} if hub_models else {}),
     }
     rho = entry["metrics"]["rho_l1"]
@@ -301,8 +313,7 @@ def model_card(source: _Source, task: str, name: str) -> str:
         f"| `{task}` | `{entry.get('target', '')}` | {', '.join(eval_tasks)} | {entry['module']} | "
         f"{entry.get('loss', '')} | {entry['rank']} | {entry['max_positions']} | {rho:.3f} |",
         "",
-        "ρ_L1 = 1 − Σδ_after / Σδ_before on the calibration tokens: the share of the merged "
-        "model's hidden-state gap to the target that the module removes (higher is better).",
+        RHO_L1_NOTE,
         "",
         "## Load",
         "",
@@ -314,8 +325,11 @@ def model_card(source: _Source, task: str, name: str) -> str:
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
         f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
-        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)',
         "```",
+        "",
+        "(The tokenizer is the merge's own; the flag only spares AutoTokenizer a prompt about "
+        "the folder's custom config.)",
         "",
         "## Serve",
         "",

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 import transformers.dynamic_module_utils
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
@@ -170,9 +171,11 @@ def test_logits_equal_apply_surgery_and_a_float64_reference(
     with torch.no_grad():
         logits = model(**batch).logits
         last = model(**batch, logits_to_keep=1).logits
+        positional = model(batch["input_ids"], batch["attention_mask"]).logits
         expected = reference_model(merged, kind)(**batch).logits
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(last, logits[:, -1:], rtol=0, atol=1e-6)
+    assert torch.equal(positional, logits)
 
     plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     h, plain_logits = head_input(plain, batch)
@@ -240,6 +243,14 @@ def test_save_pretrained_round_trip(
     again = load(tmp_path / "saved")
     with torch.no_grad():
         assert torch.equal(again(**batch).logits, model(**batch).logits)
+
+
+def test_from_config_builds_an_identity_surgery(exported: Path) -> None:
+    config = AutoConfig.from_pretrained(exported / "pos_corr", trust_remote_code=True)
+    assert config.model_type == "darts" and isinstance(config, transformers.LlamaConfig)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    assert type(model).__name__ == "DartsLlamaForCausalLM"
+    assert all(not p.any() for p in model.darts_surgery.parameters())
 
 
 def test_loading_needs_trust_remote_code(exported: Path) -> None:
@@ -313,6 +324,47 @@ def test_shipped_file_imports_only_torch_and_transformers() -> None:
     assert imported - set(sys.stdlib_module_names) == {"torch", "transformers"}
 
 
+def test_lm_eval_hf_on_the_export_equals_hf_darts(merged: Path, exported: Path) -> None:
+    """The model card's ``lm_eval --model hf ... trust_remote_code=True`` gives hf-darts' answers."""
+    import contextlib
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval_darts.model  # noqa: F401  (registers hf-darts)
+
+    tasks_dir = Path(__file__).parent / "lm_eval_tasks"
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+
+    def responses(model: str, model_args: dict[str, Any]) -> dict[str, list]:
+        with contextlib.chdir(tasks_dir):  # the task YAMLs name their data relative to it
+            out = simple_evaluate(
+                model=model,
+                model_args={"device": "cpu", "dtype": "float32", **model_args},
+                tasks=["darts_tiny_mc", "darts_tiny_gen"],
+                batch_size=4,
+                task_manager=manager,
+                bootstrap_iters=0,
+                log_samples=True,
+            )
+        return {
+            task: [s["resps"] for s in sorted(samples, key=lambda s: s["doc_id"])]
+            for task, samples in out["samples"].items()
+        }
+
+    ours = responses("hf", {"pretrained": str(exported / "pos_corr"), "trust_remote_code": True})
+    theirs = responses("hf-darts", {"pretrained": str(merged), "surgery": "pos_corr"})
+    plain = responses("hf", {"pretrained": str(merged)})
+    assert ours["darts_tiny_gen"] == theirs["darts_tiny_gen"]
+
+    def loglikelihoods(result: dict[str, list]) -> list[float]:
+        return [float(r[0][0]) for doc in result["darts_tiny_mc"] for r in doc]
+
+    assert loglikelihoods(ours) == pytest.approx(loglikelihoods(theirs), abs=1e-5)
+    gaps = [abs(a - b) for a, b in zip(loglikelihoods(ours), loglikelihoods(plain), strict=True)]
+    assert max(gaps) > 0.1  # and the correction changes them
+
+
 # ---- other architectures: tied embeddings, logit softcapping, sharded weights ----------------------
 
 
@@ -352,6 +404,9 @@ def test_other_decoders(model_type: str, tmp_path: Path) -> None:
     with torch.no_grad():
         logits = exported(**inputs).logits
         torch.testing.assert_close(logits, reference(**inputs).logits, rtol=0, atol=1e-6)
+        tokens = exported.generate(**inputs, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+        want = reference.generate(**inputs, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, want)
     plain = AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
     assert (logits - head_input(plain, inputs)[1]).abs().max() > 0.1
     if model_type == "qwen2":
@@ -479,6 +534,9 @@ def test_other_bad_sources(merged: Path, exported: Path, tmp_path: Path) -> None
     config = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps(config | {"hidden_size": 32}))
     assert "hidden size 64" in fail(str(wrong), "--task", "add", str(tmp_path / "a"))
+    custom = {"architectures": ["MyLlamaForCausalLM"], "auto_map": {"AutoModel": "my.Model"}}
+    (wrong / "config.json").write_text(json.dumps(config | custom))
+    assert "from custom code" in fail(str(wrong), "--task", "add", str(tmp_path / "a"))
     assert not (tmp_path / "a").exists()
 
 

@@ -70,9 +70,13 @@ class DartsSurgery(nn.Module):
         self.kind, self.max_positions = kind, max_positions
         self.down, self.up = _Matrix(rank, hidden_size), _Matrix(hidden_size, rank)
         if kind == "pos_corr":
-            self.position_bias = nn.Parameter(torch.zeros(max_positions, hidden_size))
+            self.position_bias = nn.Parameter(
+                torch.zeros(max_positions, hidden_size, dtype=torch.float32)
+            )
         if kind in ("add", "parallel"):
-            self.position_embedding = nn.Parameter(torch.zeros(max_positions, hidden_size))
+            self.position_embedding = nn.Parameter(
+                torch.zeros(max_positions, hidden_size, dtype=torch.float32)
+            )
         if kind == "parallel":
             self.position_down = _Matrix(rank, hidden_size)
             self.position_up = _Matrix(hidden_size, rank)
@@ -258,7 +262,7 @@ def darts_model_class(base_architecture: str, base_model_type: str) -> type:
     keep = set(getattr(base, "_keep_in_fp32_modules", None) or ()) | {"darts_surgery"}
     parameters = list(inspect.signature(base.forward).parameters.values())[1:]  # without self
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return type(
+    model_class = type(
         f"Darts{base_architecture}",
         (_DartsModelMixin, base),
         {
@@ -270,6 +274,10 @@ def darts_model_class(base_architecture: str, base_model_type: str) -> type:
             "_darts_forward_names": tuple(p.name for p in parameters if p.kind in kinds),
         },
     )
+    # what transformers' auto classes did for DartsForCausalLM, for the class actually built
+    # (pipelines check the model's class against this mapping)
+    transformers.AutoModelForCausalLM.register(model_class.config_class, model_class, exist_ok=True)
+    return model_class
 
 
 def _model_class(config: Any) -> type:
