@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -51,9 +53,6 @@ def measure(settings: BenchSettings, root: Path, vllm_args: dict[str, Any]) -> d
         dtype=spec.dtype,
         batch_size=settings.batch_size,
     )
-    started = time.perf_counter()
-    vllm = VLLM(pretrained=str(dest), dtype=spec.dtype, **vllm_args)
-    engine_start_s = time.perf_counter() - started
     _, gen, _ = _requests(darts.tokenizer, settings)
     outputs: dict[str, list[str]] = {}
 
@@ -63,9 +62,14 @@ def measure(settings: BenchSettings, root: Path, vllm_args: dict[str, Any]) -> d
 
         return go
 
+    # hf-darts alone first: the idle vLLM engine's processes might slow it down afterwards
+    call("hf-darts", darts)()
+    alone = alternate({"hf-darts": call("hf-darts", darts)}, settings.inference_repeats)
+    started = time.perf_counter()
+    vllm = VLLM(pretrained=str(dest), dtype=spec.dtype, **vllm_args)
+    engine_start_s = time.perf_counter() - started
     contenders = {"hf-darts": call("hf-darts", darts), "vllm": call("vllm", vllm)}
-    for warm_up in contenders.values():
-        warm_up()
+    call("vllm", vllm)()
     times = alternate(contenders, settings.inference_repeats)
     paired = paired_ratio(times, "hf-darts", "vllm")  # hf-darts time / vLLM time
     tokens = {name: _generated_tokens(darts.tokenizer, out) for name, out in outputs.items()}
@@ -83,6 +87,8 @@ def measure(settings: BenchSettings, root: Path, vllm_args: dict[str, Any]) -> d
         "ratio_q1": paired["ratio_q1"] * tokens["vllm"] / tokens["hf-darts"],
         "ratio_q3": paired["ratio_q3"] * tokens["vllm"] / tokens["hf-darts"],
         "hf_darts_rounds_s": paired["hf-darts_rounds_s"],
+        "hf_darts_alone_rounds_s": [round(t, 4) for t in alone["hf-darts"]],
+        "hf_darts_alone_tok_s": tokens["hf-darts"] / statistics.median(alone["hf-darts"]),
         "vllm_rounds_s": paired["vllm_rounds_s"],
         "vllm_engine_start_s": engine_start_s,
     }
@@ -104,6 +110,8 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|",
             f"| hf-darts | {r['hf_darts_tok_s']:.1f} | {r['hf_darts_rounds_s']} |",
             f"| vLLM + plugin | {r['vllm_tok_s']:.1f} | {r['vllm_rounds_s']} |",
+            f"| hf-darts before the vLLM engine existed | {r['hf_darts_alone_tok_s']:.1f} | "
+            f"{r['hf_darts_alone_rounds_s']} |",
             "",
             f"**vLLM / hf-darts tokens/s: {r['ratio']:.2f}** (quartiles {r['ratio_q1']:.2f}-"
             f"{r['ratio_q3']:.2f}); identical generations {r['identical_generations']}; "
@@ -146,10 +154,11 @@ def main(argv: list[str] | None = None) -> None:
         inference_repeats=a.repeats,
     )
     vllm_args = a.vllm_args
-    if vllm_args is None:  # vLLM's CPU attention wants block size 32; compiling takes minutes
-        vllm_args = {"enforce_eager": True, "block_size": 32, "max_model_len": 256}
-        if a.device.startswith("cuda"):
-            vllm_args = {"max_model_len": 256}
+    if vllm_args is None:
+        vllm_args = {"max_model_len": 256}
+        if not a.device.startswith("cuda"):  # CPU attention wants block size 32; compiling
+            vllm_args |= {"enforce_eager": True, "block_size": 32}  # would take minutes
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, not ~all of the RAM
     machine = machine_info(a.device)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as root:
         generate_until = measure(settings, Path(root), vllm_args)
