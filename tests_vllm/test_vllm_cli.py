@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import subprocess
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -152,3 +153,34 @@ def test_vllm_serve_answers_with_the_correction(exported: Exported, reference, t
     got = torch.tensor(answer["logprobs"]["token_logprobs"], dtype=torch.float64)
     want = ref.gather(-1, torch.tensor(generated).unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
+NO_PLUGIN = """
+import sys
+from vllm import LLM
+
+for trust in (False, True):
+    try:
+        LLM(model=sys.argv[1], trust_remote_code=trust, **{engine})
+    except Exception as err:
+        print("refused", trust, type(err).__name__, flush=True)
+    else:
+        print("LOADED", trust, flush=True)
+"""
+
+
+def test_without_the_plugin_vllm_refuses_the_export(exported: Exported, tmp_path: Path) -> None:
+    """Never served uncorrected: with the plugin switched off (VLLM_PLUGINS names no plugin), vLLM
+    asks for trust_remote_code, and with it its Transformers backend rejects the shipped config."""
+    script = tmp_path / "no_plugin.py"
+    main = textwrap.indent(NO_PLUGIN.format(engine=ENGINE), "    ")  # vLLM spawns processes
+    script.write_text(f"if __name__ == '__main__':\n{main}")
+    out = subprocess.run(
+        [BIN / "python", script, exported.dest],
+        env=os.environ | {"VLLM_PLUGINS": "none"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("refused", "LOADED"))]
+    assert [line.split()[:2] for line in lines] == [["refused", "False"], ["refused", "True"]]
