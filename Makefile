@@ -9,6 +9,9 @@ TORCH  ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# vLLM would otherwise send usage statistics over the network from every engine start
+export VLLM_NO_USAGE_STATS := 1
+export DO_NOT_TRACK := 1
 
 .PHONY: install demo test test-quick lint format bench clean install-vllm test-vllm bench-vllm
 

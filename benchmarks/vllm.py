@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         inference_repeats=a.repeats,
     )
     vllm_args = a.vllm_args
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report over the network
     if vllm_args is None:
         vllm_args = {"max_model_len": 256}
         if not a.device.startswith("cuda"):  # CPU attention wants block size 32; compiling

@@ -21,6 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far more
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report over the network
+os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import torch  # noqa: E402
 from tiny import build_tokenizer, save_model  # noqa: E402
