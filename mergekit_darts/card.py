@@ -20,6 +20,10 @@ from rich.table import Table
 START = "<!-- mergekit-darts:surgery -->"
 END = "<!-- /mergekit-darts:surgery -->"
 TAGS = ("darts", "representation-surgery")
+RHO_L1_NOTE = (
+    "ρ_L1 = 1 − Σδ_after / Σδ_before on the calibration tokens: the share of the merged model's "
+    "hidden-state gap to the target that the module removes (higher is better)."
+)
 
 
 def update_model_card(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
@@ -70,9 +74,8 @@ def surgery_section(manifest: Mapping[str, Any], name: str) -> str:
             "|---|---|---|---|---|---|---|---|",
             *rows,
             "",
-            "ρ_L1 = 1 − Σδ_after / Σδ_before on the calibration tokens: the share of the merged "
-            "model's hidden-state gap to the target that the module removes (higher is better). "
-            "`surgery/manifest.json` holds the settings, prompt hashes, loss curves and timings.",
+            f"{RHO_L1_NOTE} `surgery/manifest.json` holds the settings, prompt hashes, loss "
+            "curves and timings.",
             "",
             report_link_markdown(name),
             "",

@@ -1,7 +1,8 @@
 """``mergekit-darts``: the explicit commands, usable without the startup hook.
 
 ``merge`` is ``mergekit-yaml`` (mergekit's own option decorator, so every stock flag is there)
-plus the surgery; ``calibrate`` adds or redoes the surgery of an already merged folder. More
+plus the surgery; ``calibrate`` adds or redoes the surgery of an already merged folder; ``export``
+writes a folder that plain transformers (and vLLM) load with the correction built in. More
 subcommands attach to the ``main`` group.
 """
 
@@ -14,6 +15,7 @@ import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
+from .export import LINKS
 from .hook import merge_with_surgery
 from .report import report_command
 from .stats import stats_command
@@ -91,6 +93,30 @@ def calibrate(
         write_card=write_model_card,
         store=CaptureStore(cache_dir) if cache_dir else None,
     )
+
+
+@main.command("export")
+@click.argument("out_path", type=click.Path(exists=True, file_okay=False))
+@click.argument("dest", type=click.Path())
+@click.option("--task", help="The surgery task to export (see OUT_PATH/surgery/manifest.json).")
+@click.option("--all", "all_tasks", is_flag=True, help="Export every task, as DEST/<task>/.")
+@click.option(
+    "--link",
+    type=click.Choice(LINKS),
+    default="symlink",
+    show_default=True,
+    help="How DEST gets the merged weights; a Hub upload needs real files (copy or hardlink).",
+)
+def export_command(out_path: str, dest: str, task: str | None, all_tasks: bool, link: str) -> None:
+    """Write DEST, a Hugging Face folder of the merge OUT_PATH with one surgery task built in.
+
+    It loads with AutoModelForCausalLM.from_pretrained(DEST, trust_remote_code=True) where
+    mergekit-darts is not installed, and serves with vLLM through the mergekit-darts plugin.
+    """
+    from .export import export
+
+    for folder in export(out_path, dest, task, all_tasks=all_tasks, link=link):
+        click.echo(f"exported {folder}")
 
 
 main.add_command(report_command)

@@ -89,9 +89,10 @@ def test_manual_decoding_with_a_cache_and_no_position_ids(setup: tuple, tiny_fam
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :3], use_cache=True)
+        key = "cache" if hasattr(out, "cache") else "past_key_values"  # transformers 5.19 name
         steps = [out.logits]
         for t in range(3, ids.shape[1]):
-            out = model(ids[:, t : t + 1], cache=out.cache, use_cache=True)
+            out = model(ids[:, t : t + 1], **{key: getattr(out, key)}, use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 

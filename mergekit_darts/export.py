@@ -1,0 +1,379 @@
+"""``mergekit-darts export``: a merged folder + one surgery task -> a Hugging Face model folder.
+
+The result loads with ``AutoModelForCausalLM.from_pretrained(DEST, trust_remote_code=True)``
+where mergekit-darts is not installed: ``config.json`` gets a model_type of its own (``darts``, so
+loading without ``trust_remote_code`` fails instead of silently dropping the correction) and an
+``auto_map`` to the shipped ``modeling_darts.py``; the surgery tensors sit in their own file that
+the weight index lists next to the merged shards. The vLLM plugin reads the same layout (README,
+"Deploy").
+
+Every input is checked before anything is written; the folder is built under a temporary name
+next to DEST and renamed into place, so a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import yaml
+from safetensors.torch import save_file
+
+from .artifacts import SurgeryFormatError, load_surgery, read_manifest, resolve_task
+from .card import RHO_L1_NOTE, TAGS
+from .config import SurgeryError
+
+LINKS = ("symlink", "hardlink", "copy")
+MODELING_FILE = Path(__file__).parent / "deploy" / "modeling_darts.py"
+SURGERY_FILE = "darts_surgery.safetensors"
+PREFIX = "darts_surgery."
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# transformers prefers model.safetensors over the index, which would skip the surgery tensors:
+# a single-file merge is therefore exported under a shard name the index points to.
+SINGLE_AS_SHARD = "model-00001-of-00001.safetensors"
+FORMAT, VERSION = "darts-export", 1
+AUTO_MAP = {
+    "AutoConfig": "modeling_darts.DartsConfig",
+    "AutoModelForCausalLM": "modeling_darts.DartsForCausalLM",
+}
+_NOT_COPIED = {"config.json", "README.md", INDEX}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+
+class ExportError(SurgeryError, ValueError):
+    """An export that cannot be made as asked; nothing has been written."""
+
+
+def export(
+    out_path: str | Path,
+    dest: str | Path,
+    task: str | None = None,
+    *,
+    all_tasks: bool = False,
+    link: str = "symlink",
+) -> list[Path]:
+    """Export ``task`` (or with ``all_tasks`` every task, as ``DEST/<task>/``) of the merged folder
+    ``out_path``; returns the folders written."""
+    if all_tasks == (task is not None):
+        raise ExportError("pass either --task NAME or --all")
+    if link not in LINKS:
+        raise ExportError(f"unknown --link {link!r}; choose one of {', '.join(LINKS)}")
+    out, dest = Path(out_path), Path(os.path.abspath(dest))  # abspath: "." and "x/" have names
+    source = _Source.read(out)
+    tasks = list(source.manifest["tasks"]) if all_tasks else [_task(source, task)]
+    _check_dest(dest)
+    if link == "hardlink":
+        _check_same_filesystem(source, dest)
+    try:
+        modules = {name: load_surgery(source.surgery, name) for name in tasks}
+    except SurgeryFormatError as err:
+        raise ExportError(str(err)) from err
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; a normal mkdir would not
+    try:
+        for name, module in modules.items():
+            folder = staging / name if all_tasks else staging
+            folder.mkdir(exist_ok=True)
+            shown = f"{dest.name}/{name}" if all_tasks else dest.name
+            _write_folder(folder, source, name, module.state_dict(), link, shown)
+        if dest.exists():
+            dest.rmdir()  # checked empty above; os.replace needs it gone on every platform
+        os.replace(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [dest / name for name in tasks] if all_tasks else [dest]
+
+
+# ---- checks -----------------------------------------------------------------------------------------
+
+
+class _Source:
+    """The merged folder as far as the export needs it: config, weights, surgery manifest."""
+
+    def __init__(self, out: Path, config: dict[str, Any], weight_map: dict[str, str]):
+        self.out, self.config, self.weight_map = out, config, weight_map
+        self.surgery = out / "surgery"
+        self.manifest = read_manifest(self.surgery)
+
+    @classmethod
+    def read(cls, out: Path) -> _Source:
+        if not out.is_dir():
+            raise ExportError(f"{out} is not a folder: pass the merged model folder")
+        try:
+            config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ExportError(f"{out} has no config.json: pass a merged model folder") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ExportError(f"{out / 'config.json'} is not valid JSON ({err})") from err
+        model_type, architectures = config.get("model_type"), config.get("architectures")
+        if model_type == "darts":
+            raise ExportError(
+                f"{out} is already a DARTS export: pass the merged folder it came from"
+            )
+        if not model_type or not architectures:
+            raise ExportError(f"{out / 'config.json'} names no model_type and architectures")
+        if "auto_map" in config or not hasattr(transformers, architectures[0]):
+            raise ExportError(
+                f"{out} is a {architectures[0]} from custom code; export supports the decoders "
+                "transformers itself ships (the exported folder builds on transformers' class)"
+            )
+        if not (out / "surgery").is_dir():
+            raise ExportError(
+                f"{out} has no surgery/ folder: run `mergekit-darts calibrate {out} SURGERY_YML` "
+                "(or merge with a surgery: block) first"
+            )
+        try:
+            source = cls(out, config, _weight_map(out))
+        except SurgeryFormatError as err:
+            raise ExportError(str(err)) from err
+        hidden = config.get("hidden_size")
+        if hidden is not None and hidden != source.manifest.get("hidden_size"):
+            raise ExportError(
+                f"{out}/surgery was made for hidden size {source.manifest.get('hidden_size')}, "
+                f"but config.json has {hidden}: re-run the surgery on this merge"
+            )
+        return source
+
+    def shards(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+
+def _weight_map(out: Path) -> dict[str, str]:
+    """tensor name -> file, from the index or from the single file's header (safetensors only)."""
+    if (out / INDEX).is_file():
+        try:
+            weight_map = json.loads((out / INDEX).read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ExportError(f"{out / INDEX} is not a safetensors index ({err})") from err
+        missing = sorted({f for f in weight_map.values() if not (out / f).is_file()})
+        if missing:
+            raise ExportError(f"{out / INDEX} lists missing files: {', '.join(missing)}")
+    elif (out / SINGLE).is_file():
+        weight_map = dict.fromkeys(_tensor_bytes(out / SINGLE), SINGLE)
+    else:
+        raise ExportError(
+            f"{out} has no {SINGLE} or {INDEX}: export reads safetensors weights only "
+            "(re-run the merge with mergekit's default --safe-serialization)"
+        )
+    clash = [name for name in weight_map if name.startswith(PREFIX)]
+    if clash:
+        raise ExportError(f"{out} already has tensors named {PREFIX}*: {clash[0]}")
+    return weight_map
+
+
+def _tensor_bytes(file: Path) -> dict[str, int]:
+    """Tensor name -> size in bytes, from a safetensors header (the data is never read)."""
+    try:
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        return {
+            name: info["data_offsets"][1] - info["data_offsets"][0]
+            for name, info in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, struct.error, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ExportError(f"{file} is not a readable safetensors file ({err})") from err
+
+
+def _task(source: _Source, task: str | None) -> str:
+    try:
+        return resolve_task(source.manifest, task, source.surgery)
+    except SurgeryFormatError as err:
+        raise ExportError(str(err)) from err
+
+
+def _check_dest(dest: Path) -> None:
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise ExportError(f"{dest} exists and is not a folder: choose a new DEST")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise ExportError(f"{dest} exists and is not empty: choose a new DEST or empty it")
+
+
+def _check_same_filesystem(source: _Source, dest: Path) -> None:
+    parent = next(p for p in [dest, *dest.absolute().parents] if p.exists())
+    if os.stat(source.out / source.shards()[0]).st_dev != os.stat(parent).st_dev:
+        raise ExportError(
+            f"--link hardlink needs {source.out} and {dest} on one filesystem; "
+            "use --link copy (or symlink) instead"
+        )
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+
+
+def _write_folder(
+    folder: Path,
+    source: _Source,
+    task: str,
+    state: Mapping[str, torch.Tensor],
+    link: str,
+    shown: str,
+) -> None:
+    """One exported folder; ``shown`` is its name in the model card's commands."""
+    renamed = {SINGLE: SINGLE_AS_SHARD}
+    for shard in source.shards():
+        _place(source.out / shard, folder / renamed.get(shard, shard), link)
+    for file in sorted(source.out.iterdir()):
+        if (
+            file.is_file()
+            and not file.name.startswith(".")
+            and file.name not in _NOT_COPIED
+            and file.suffix not in _WEIGHT_SUFFIXES
+        ):
+            shutil.copyfile(file, folder / file.name)
+    tensors = {
+        PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()
+    }
+    save_file(tensors, folder / SURGERY_FILE, metadata={"format": "pt"})
+    os.chmod(folder / SURGERY_FILE, 0o666 & ~_umask())  # safetensors writes it 0600
+    weight_map = {name: renamed.get(file, file) for name, file in source.weight_map.items()}
+    weight_map |= dict.fromkeys(sorted(tensors), SURGERY_FILE)
+    total = sum(sum(_tensor_bytes(folder / f).values()) for f in sorted(set(weight_map.values())))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    entry = source.manifest["tasks"][task]
+    config = dict(source.config)
+    config["architectures"] = ["Darts" + source.config["architectures"][0]]
+    config["model_type"] = "darts"
+    config["auto_map"] = dict(AUTO_MAP)
+    config["darts"] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "base_model_type": source.config["model_type"],
+        "base_architecture": source.config["architectures"][0],
+        "task": task,
+        "module": entry["module"],
+        "rank": int(entry["rank"]),
+        "max_positions": int(entry["max_positions"]),
+        "hidden_size": int(source.manifest["hidden_size"]),
+        "prefix": PREFIX,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
+    (folder / "README.md").write_text(model_card(source, task, shown), encoding="utf-8")
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _place(src: Path, dst: Path, link: str) -> None:
+    if link == "symlink":
+        os.symlink(src.resolve(), dst)
+    elif link == "hardlink":
+        os.link(src.resolve(), dst)
+    else:
+        shutil.copyfile(src, dst)
+
+
+# ---- model card -------------------------------------------------------------------------------------
+
+
+def model_card(source: _Source, task: str, name: str) -> str:
+    """Markdown for DEST/README.md: where it comes from, what it corrects, how to use it."""
+    entry = source.manifest["tasks"][task]
+    merge_yaml, base, models = _merge_config(source.out)
+    hub_models = [m for m in models if _looks_like_hub_id(m)]
+    front = {
+        "library_name": "transformers",
+        "tags": [*TAGS, "mergekit", "merge"],
+        **({"base_model": hub_models} if hub_models else {}),
+    }
+    rho = entry["metrics"]["rho_l1"]
+    eval_tasks = entry.get("eval_tasks") or []
+    lm_eval_tasks = ",".join(eval_tasks) or "TASKS"
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).rstrip("\n"),
+        "---",
+        f"# {name}",
+        "",
+        f"The merged model `{source.out.name}` with the DARTS surgery module of task `{task}`: a "
+        "small float32 correction of the final hidden state (the LM head's input), applied at "
+        "every forward call by the shipped `modeling_darts.py`, which builds on transformers' own "
+        f"`{source.config['architectures'][0]}`.",
+        "",
+        "| task | target | lm-eval tasks | module | loss | rank | max positions | ρ_L1 |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| `{task}` | `{entry.get('target', '')}` | {', '.join(eval_tasks)} | {entry['module']} | "
+        f"{entry.get('loss', '')} | {entry['rank']} | {entry['max_positions']} | {rho:.3f} |",
+        "",
+        RHO_L1_NOTE,
+        "",
+        "## Load",
+        "",
+        "`trust_remote_code=True` is required: the folder's model type is `darts`, and without the "
+        "shipped code the model would load without its correction. Only torch and transformers "
+        "are needed (not mergekit-darts).",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)',
+        "```",
+        "",
+        "(The tokenizer is the merge's own; the flag only spares AutoTokenizer a prompt about "
+        "the folder's custom config.)",
+        "",
+        "## Serve",
+        "",
+        "```sh",
+        'pip install "mergekit-darts[vllm]"   # the vLLM plugin that applies the correction',
+        f"vllm serve {name}",
+        "```",
+        "",
+        "## Evaluate",
+        "",
+        "```sh",
+        f"lm_eval --model hf --model_args pretrained={name},trust_remote_code=True "
+        f"--tasks {lm_eval_tasks}",
+        f"lm_eval --model vllm --model_args pretrained={name} --tasks {lm_eval_tasks}",
+        "```",
+    ]
+    if merge_yaml:
+        lines += ["", "## Source merge", ""]
+        lines += [
+            f"- `{model}`" + (" (base)" if i == 0 and base else "")
+            for i, model in enumerate(models)
+        ]
+        lines += ["", "```yaml", merge_yaml.rstrip("\n"), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _merge_config(out: Path) -> tuple[str | None, bool, list[str]]:
+    """The merge YAML mergekit left in the folder, whether it has a base model, and the models it
+    names (base model first)."""
+    file = out / "mergekit_config.yml"
+    if not file.is_file():
+        return None, False, []
+    text = file.read_text(encoding="utf-8")
+    try:
+        from mergekit.config import MergeConfiguration
+
+        config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    except Exception:  # an unreadable record only costs the card its model list
+        return text, False, []
+    base = [str(config.base_model.model.path)] if config.base_model else []
+    others = sorted({str(m.model.path) for m in config.referenced_models()} - set(base))
+    return text, bool(base), base + others
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """``org/name`` that is not a local folder (mergekit's own test asks the Hub, offline here)."""
+    return path.count("/") == 1 and path[0] not in "./~" and not Path(path).exists()

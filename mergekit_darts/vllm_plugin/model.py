@@ -1,0 +1,127 @@
+"""``Darts<Arch>``: vLLM's own model class for ``<Arch>`` with the surgery on its output.
+
+vLLM hands each token's absolute position in its own sequence to the model's ``forward``
+(whatever the batching: continuous batching, chunked prefill, prefix caching), and ``forward``
+returns the final hidden states that ``compute_logits`` feeds to the LM head. So the subclass
+corrects exactly those: ``h - correction(h, p)`` in float32, cast back (:mod:`mergekit_darts.modules`).
+No model code is copied: one generic subclass per base class, built on first use by the module
+``__getattr__`` that vLLM's lazy ``"module:Class"`` registrations (and pickle) resolve through.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from vllm import ModelRegistry
+from vllm.sequence import IntermediateTensors
+
+from ..modules import SurgeryModule, build_module
+from . import PREFIX
+
+SURGERY = "darts_surgery"  # attribute name: parameter names are the export's tensor names
+
+
+def _surgery_from_config(vllm_config: Any) -> tuple[SurgeryModule, str]:
+    """A float32 module shaped by the config's ``darts`` section, and its tensor name prefix."""
+    hf_config = vllm_config.model_config.hf_config
+    darts = getattr(hf_config, "darts", None)
+    if not isinstance(darts, dict):
+        raise ValueError(
+            f"{type(hf_config).__name__} has no darts section: load a `mergekit-darts export` "
+            "folder, whose config.json has model_type 'darts'"
+        )
+    hidden_size = getattr(hf_config.get_text_config(), "hidden_size", None)
+    if darts["hidden_size"] != hidden_size:
+        raise ValueError(
+            f"config.json's darts.hidden_size {darts['hidden_size']} does not match the model's "
+            f"hidden_size {hidden_size}: re-export with `mergekit-darts export`"
+        )
+    module = build_module(
+        darts["module"], darts["hidden_size"], darts["rank"], darts["max_positions"]
+    )
+    return module.to(torch.float32).requires_grad_(False).eval(), darts["prefix"]
+
+
+class _DartsMixin(nn.Module):
+    """Put before vLLM's class in the bases: adds ``darts_surgery`` and wraps forward/load_weights."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        module, self._darts_prefix = _surgery_from_config(vllm_config)
+        # on vLLM's load device; float32 whatever the model's dtype
+        self.add_module(SURGERY, module)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if positions.dim() != 1:
+            raise ValueError(
+                f"DARTS surgery needs one absolute position per token, got positions of shape "
+                f"{tuple(positions.shape)} (multi-axis rotary positions are not supported)"
+            )
+        out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        surgery = getattr(self, SURGERY)
+        if isinstance(out, IntermediateTensors):  # not the last pipeline stage: nothing to correct
+            return out
+        if isinstance(out, tuple):  # (hidden states, auxiliary hidden states for speculation)
+            return (surgery(out[0], positions), *out[1:])
+        return surgery(out, positions)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str] | None:
+        surgery: dict[str, torch.Tensor] = {}
+
+        def base_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(self._darts_prefix):
+                    surgery[name.removeprefix(self._darts_prefix)] = tensor
+                else:
+                    yield name, tensor
+
+        loaded = super().load_weights(base_weights())
+        names = self._load_surgery(surgery)
+        return None if loaded is None else set(loaded) | names
+
+    def _load_surgery(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        module: SurgeryModule = getattr(self, SURGERY)
+        expected = {name: tuple(p.shape) for name, p in module.state_dict().items()}
+        found = {name: tuple(t.shape) for name, t in tensors.items()}
+        if found != expected:
+            raise ValueError(
+                f"the checkpoint's {self._darts_prefix}* tensors {dict(sorted(found.items()))} do "
+                f"not match the {module.kind} module its config.json describes "
+                f"{dict(sorted(expected.items()))}: re-export with `mergekit-darts export`"
+            )
+        with torch.no_grad():
+            for name, tensor in module.state_dict(keep_vars=True).items():
+                tensor.copy_(tensors[name].to(torch.float32))
+        return {f"{SURGERY}.{name}" for name in tensors}
+
+
+@functools.cache
+def darts_model_class(arch: str) -> type[nn.Module]:
+    """``Darts<arch>``: a subclass of the class vLLM registers for ``arch``."""
+    if arch not in ModelRegistry.get_supported_archs():
+        raise ValueError(f"vLLM has no model class for architecture {arch!r}")
+    base = ModelRegistry.models[arch].load_model_cls()
+    if not callable(getattr(base, "compute_logits", None)):
+        raise TypeError(
+            f"{arch} is not a text-generating model in vLLM (no compute_logits): DARTS corrects "
+            "the hidden states in front of an LM head"
+        )
+    name = PREFIX + arch
+    return type(name, (_DartsMixin, base), {"__module__": __name__, "__qualname__": name})
+
+
+def __getattr__(name: str) -> type[nn.Module]:
+    if name.startswith(PREFIX) and len(name) > len(PREFIX):
+        return darts_model_class(name.removeprefix(PREFIX))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

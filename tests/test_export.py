@@ -1,0 +1,564 @@
+"""``mergekit-darts export``: the exported folder under plain transformers, on tiny local models.
+
+The surgery folders are written directly (random, non-zero weights in every parameter, position
+rows included), so these tests do not depend on the calibration pipeline. The exported model is
+checked against ``apply_surgery`` on the merged folder and against an independent float64
+computation of the correction written here.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+import transformers.dynamic_module_utils
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from mergekit_darts import apply_surgery, build_module
+from mergekit_darts.artifacts import write_surgery_folder
+from mergekit_darts.cli import main
+from mergekit_darts.export import MODELING_FILE, export
+from mergekit_darts.modules import MODULE_KINDS
+
+RANK, MAX_POSITIONS = 4, 8  # the test prompts run past 8 tokens: positions off the table too
+STEPS = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def modules_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """transformers copies trust_remote_code modules here (not into ~/.cache)."""
+    folder = tmp_path_factory.mktemp("hf_modules")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(folder))
+        yield folder
+
+
+def write_random_surgery(folder: Path, hidden_size: int, kinds: tuple[str, ...]) -> None:
+    """``folder/surgery`` with one task per module kind, every weight random and non-zero."""
+    modules, tasks = {}, {}
+    for seed, kind in enumerate(kinds, start=1):
+        module = build_module(kind, hidden_size, RANK, MAX_POSITIONS, seed=seed)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in module.parameters():
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+        modules[kind] = module
+        tasks[kind] = {
+            "module": kind,
+            "rank": RANK,
+            "max_positions": MAX_POSITIONS,
+            "loss": "ewl1",
+            "target": f"./{kind}-expert",
+            "eval_tasks": [f"tiny_{kind}"],
+            "metrics": {"rho_l1": 0.25 + 0.125 * seed},
+        }
+    write_surgery_folder(folder / "surgery", modules, {"hidden_size": hidden_size, "tasks": tasks})
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_merged: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny task-arithmetic merge with a surgery folder of all four module kinds."""
+    folder = Path(shutil.copytree(tiny_merged, tmp_path_factory.mktemp("export") / "merged"))
+    write_random_surgery(folder, 64, MODULE_KINDS)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exported(merged: Path) -> Path:
+    """``export --all`` of ``merged``: one folder per module kind."""
+    dest = merged.parent / "exported"
+    export(merged, dest, all_tasks=True)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_family: Any) -> dict[str, torch.Tensor]:
+    """Left-padded prompts of very different lengths; the longest runs past MAX_POSITIONS."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_family.base, padding_side="left")
+    prompts = [tiny_family.prompts[6], tiny_family.prompts[4], tiny_family.prompts[2]]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True)
+    lengths = encoded["attention_mask"].sum(-1).tolist()
+    assert max(lengths) > MAX_POSITIONS + 2 and min(lengths) < MAX_POSITIONS
+    return dict(encoded)
+
+
+def load(folder: Path, **kwargs: Any) -> Any:
+    kwargs.setdefault("dtype", torch.float32)
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs).eval()
+
+
+def reference_model(merged: Path, task: str, **kwargs: Any) -> Any:
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, **kwargs).eval()
+    apply_surgery(model, merged / "surgery", task)
+    return model
+
+
+# ---- an independent float64 reference -------------------------------------------------------------
+
+
+def positions_by_hand(mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over each row's real tokens, -1 on padding, written out as loops."""
+    out = torch.full(mask.shape, -1, dtype=torch.long)
+    for row in range(mask.shape[0]):
+        seen = 0
+        for col in range(mask.shape[1]):
+            if mask[row, col]:
+                out[row, col] = seen
+                seen += 1
+    return out
+
+
+def corrected64(kind: str, state: dict[str, torch.Tensor], h: torch.Tensor, pos: torch.Tensor):
+    """h - correction(h, p) in float64, from the module kinds' formulas (paper 3.2, appendix E)."""
+    w = {k.removeprefix("darts_surgery."): v.double() for k, v in state.items()}
+    h = h.double()
+
+    def bottleneck(x: torch.Tensor, down: str, up: str) -> torch.Tensor:
+        return torch.relu(x @ w[down].T) @ w[up].T
+
+    def rows(table: str) -> torch.Tensor:
+        inside = ((pos >= 0) & (pos < MAX_POSITIONS)).unsqueeze(-1).double()
+        return w[table][pos.clamp(0, MAX_POSITIONS - 1)] * inside
+
+    if kind == "standard":
+        delta = bottleneck(h, "down.weight", "up.weight")
+    elif kind == "pos_corr":
+        delta = bottleneck(h, "down.weight", "up.weight") + rows("position_bias")
+    elif kind == "add":
+        delta = bottleneck(h + rows("position_embedding"), "down.weight", "up.weight")
+    else:
+        delta = bottleneck(h, "down.weight", "up.weight") + bottleneck(
+            rows("position_embedding"), "position_down.weight", "position_up.weight"
+        )
+    return h - delta
+
+
+def head_input(model: Any, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain model's LM-head input and logits for ``inputs``."""
+    seen: dict[str, torch.Tensor] = {}
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda _m, args: seen.update(h=args[0])
+    )
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits
+    finally:
+        hook.remove()
+    return seen["h"], logits
+
+
+# ---- numbers -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", MODULE_KINDS)
+def test_logits_equal_apply_surgery_and_a_float64_reference(
+    kind: str, merged: Path, exported: Path, batch: dict[str, torch.Tensor]
+) -> None:
+    model = load(exported / kind)
+    assert type(model).__name__ == "DartsLlamaForCausalLM"
+    with torch.no_grad():
+        logits = model(**batch).logits
+        last = model(**batch, logits_to_keep=1).logits
+        positional = model(batch["input_ids"], batch["attention_mask"]).logits
+        expected = reference_model(merged, kind)(**batch).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(last, logits[:, -1:], rtol=0, atol=1e-6)
+    assert torch.equal(positional, logits)
+
+    plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    h, plain_logits = head_input(plain, batch)
+    state = load_file(exported / kind / "darts_surgery.safetensors")
+    h_hat = corrected64(kind, state, h, positions_by_hand(batch["attention_mask"]))
+    reference = h_hat @ plain.lm_head.weight.double().T
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(logits[real].double(), reference[real], rtol=0, atol=1e-4)
+    assert (logits - plain_logits)[real].abs().max() > 0.1  # the correction is really there
+
+
+@pytest.mark.parametrize("kind", MODULE_KINDS)
+def test_cached_generate_equals_apply_surgery(
+    kind: str, merged: Path, exported: Path, batch: dict[str, torch.Tensor], tiny_family: Any
+) -> None:
+    def generate(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model.generate(
+            **batch,
+            max_new_tokens=STEPS,
+            min_new_tokens=STEPS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        return out.sequences, torch.stack(out.logits, dim=1)
+
+    tokens, logits = generate(load(exported / kind))
+    want_tokens, want_logits = generate(reference_model(merged, kind))
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-6)
+
+
+def test_half_precision_keeps_the_surgery_float32(
+    exported: Path, batch: dict[str, torch.Tensor]
+) -> None:
+    full = load(exported / "parallel")
+    weights = {k: v.clone() for k, v in full.darts_surgery.state_dict().items()}
+    for dtype in (torch.bfloat16, torch.float16):
+        loaded = load(exported / "parallel", dtype=dtype)
+        assert loaded.lm_head.weight.dtype == dtype and loaded.dtype == dtype
+        for name, value in loaded.darts_surgery.state_dict().items():
+            assert value.dtype == torch.float32 and torch.equal(value, weights[name]), name
+    full.to(torch.bfloat16)
+    full.half()
+    assert full.lm_head.weight.dtype == torch.float16
+    for name, value in full.darts_surgery.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, weights[name]), name
+    with torch.no_grad():  # and a half-precision forward call still runs the module in float32
+        assert full(**batch).logits.dtype == torch.float16
+
+
+def test_save_pretrained_round_trip(
+    exported: Path, batch: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    model = load(exported / "pos_corr")
+    model.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    original = json.loads((exported / "pos_corr" / "config.json").read_text())
+    assert config["model_type"] == "darts"
+    assert config["architectures"] == ["DartsLlamaForCausalLM"]
+    assert config["auto_map"] == original["auto_map"]
+    assert config["darts"] == original["darts"]
+    assert (tmp_path / "saved" / "modeling_darts.py").read_bytes() == MODELING_FILE.read_bytes()
+    again = load(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(again(**batch).logits, model(**batch).logits)
+
+
+def test_from_config_builds_an_identity_surgery(exported: Path) -> None:
+    config = AutoConfig.from_pretrained(exported / "pos_corr", trust_remote_code=True)
+    assert config.model_type == "darts" and isinstance(config, transformers.LlamaConfig)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    assert type(model).__name__ == "DartsLlamaForCausalLM"
+    assert all(not p.any() for p in model.darts_surgery.parameters())
+
+
+def test_loading_needs_trust_remote_code(exported: Path) -> None:
+    for loader in (AutoModelForCausalLM, AutoConfig):
+        for trust in ({}, {"trust_remote_code": False}):
+            with pytest.raises(ValueError, match=r"trust_remote_code=True"):
+                loader.from_pretrained(exported / "standard", **trust)
+
+
+def test_tokenizer_loads_as_the_merged_one(merged: Path, exported: Path, tiny_family: Any) -> None:
+    ours = AutoTokenizer.from_pretrained(exported / "add", trust_remote_code=True)
+    theirs = AutoTokenizer.from_pretrained(merged)
+    assert ours(tiny_family.prompts)["input_ids"] == theirs(tiny_family.prompts)["input_ids"]
+
+
+NO_DARTS = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("mergekit_darts", "lm_eval_darts", "mergekit", "lm_eval"):
+            raise ImportError(f"{name} is blocked: mergekit-darts must not be needed")
+sys.meta_path.insert(0, Block())
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+inputs = load_file(sys.argv[1])
+out = {}
+for folder in sys.argv[3:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    with torch.no_grad():
+        out[folder] = model(**inputs).logits
+assert not [m for m in sys.modules if m.startswith(("mergekit", "lm_eval"))]
+save_file(out, sys.argv[2])
+"""
+
+
+def test_loads_where_mergekit_darts_is_not_installed(
+    exported: Path, batch: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    save_file(batch, tmp_path / "inputs.safetensors")
+    folders = [str(exported / kind) for kind in MODULE_KINDS]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {
+        "DARTS_NO_HOOK": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", NO_DARTS, str(tmp_path / "inputs.safetensors"),
+         str(tmp_path / "logits.safetensors"), *folders],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    logits = load_file(tmp_path / "logits.safetensors")
+    for folder in folders:
+        with torch.no_grad():
+            expected = load(Path(folder))(**batch).logits
+        torch.testing.assert_close(logits[folder], expected, rtol=0, atol=1e-6)
+
+
+def test_shipped_file_imports_only_torch_and_transformers() -> None:
+    tree = ast.parse(MODELING_FILE.read_text())
+    imported = {
+        name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for name in (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        )
+    }
+    assert imported - set(sys.stdlib_module_names) == {"torch", "transformers"}
+
+
+def test_lm_eval_hf_on_the_export_equals_hf_darts(merged: Path, exported: Path) -> None:
+    """The model card's ``lm_eval --model hf ... trust_remote_code=True`` gives hf-darts' answers."""
+    import contextlib
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval_darts.model  # noqa: F401  (registers hf-darts)
+
+    tasks_dir = Path(__file__).parent / "lm_eval_tasks"
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+
+    def responses(model: str, model_args: dict[str, Any]) -> dict[str, list]:
+        with contextlib.chdir(tasks_dir):  # the task YAMLs name their data relative to it
+            out = simple_evaluate(
+                model=model,
+                model_args={"device": "cpu", "dtype": "float32", **model_args},
+                tasks=["darts_tiny_mc", "darts_tiny_gen"],
+                batch_size=4,
+                task_manager=manager,
+                bootstrap_iters=0,
+                log_samples=True,
+            )
+        return {
+            task: [s["resps"] for s in sorted(samples, key=lambda s: s["doc_id"])]
+            for task, samples in out["samples"].items()
+        }
+
+    ours = responses("hf", {"pretrained": str(exported / "pos_corr"), "trust_remote_code": True})
+    theirs = responses("hf-darts", {"pretrained": str(merged), "surgery": "pos_corr"})
+    plain = responses("hf", {"pretrained": str(merged)})
+    assert ours["darts_tiny_gen"] == theirs["darts_tiny_gen"]
+
+    def loglikelihoods(result: dict[str, list]) -> list[float]:
+        return [float(r[0][0]) for doc in result["darts_tiny_mc"] for r in doc]
+
+    assert loglikelihoods(ours) == pytest.approx(loglikelihoods(theirs), abs=1e-5)
+    gaps = [abs(a - b) for a, b in zip(loglikelihoods(ours), loglikelihoods(plain), strict=True)]
+    assert max(gaps) > 0.1  # and the correction changes them
+
+
+# ---- other architectures: tied embeddings, logit softcapping, sharded weights ----------------------
+
+
+ARCHITECTURES = {
+    "qwen2": dict(tie_word_embeddings=True),
+    "gemma2": dict(final_logit_softcapping=3.0, head_dim=16, sliding_window=6),
+    "mistral": dict(sliding_window=None),
+}
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_other_decoders(model_type: str, tmp_path: Path) -> None:
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        **ARCHITECTURES[model_type],
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    merged = tmp_path / model_type
+    model.save_pretrained(merged, max_shard_size="60KB")  # sharded: the index path of export
+    assert (merged / "model.safetensors.index.json").is_file()
+    write_random_surgery(merged, 32, ("parallel",))
+    export(merged, tmp_path / "dest", "parallel", link="copy")
+
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]])
+    inputs = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+    exported = load(tmp_path / "dest", attn_implementation="eager")
+    reference = reference_model(merged, "parallel", attn_implementation="eager")
+    with torch.no_grad():
+        logits = exported(**inputs).logits
+        torch.testing.assert_close(logits, reference(**inputs).logits, rtol=0, atol=1e-6)
+        tokens = exported.generate(**inputs, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+        want = reference.generate(**inputs, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, want)
+    plain = AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()
+    assert (logits - head_input(plain, inputs)[1]).abs().max() > 0.1
+    if model_type == "qwen2":
+        assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    if model_type == "gemma2":  # corrected before the head: the softcap still bounds the logits
+        assert logits.abs().max() <= 3.0
+
+
+# ---- the folder and the command ----------------------------------------------------------------------
+
+
+def test_all_writes_one_folder_per_task(merged: Path, exported: Path) -> None:
+    assert sorted(p.name for p in exported.iterdir()) == sorted(MODULE_KINDS)
+    for kind in MODULE_KINDS:
+        config = json.loads((exported / kind / "config.json").read_text())
+        assert config["darts"] == {
+            "format": "darts-export",
+            "version": 1,
+            "base_model_type": "llama",
+            "base_architecture": "LlamaForCausalLM",
+            "task": kind,
+            "module": kind,
+            "rank": RANK,
+            "max_positions": MAX_POSITIONS,
+            "hidden_size": 64,
+            "prefix": "darts_surgery.",
+        }
+        merged_config = json.loads((merged / "config.json").read_text())
+        changed = {"model_type", "architectures", "auto_map", "darts"}
+        assert {k: v for k, v in config.items() if k not in changed} == {
+            k: v for k, v in merged_config.items() if k not in changed
+        }
+        index = json.loads((exported / kind / "model.safetensors.index.json").read_text())
+        surgery = {k for k, v in index["weight_map"].items() if v == "darts_surgery.safetensors"}
+        assert surgery == set(load_file(exported / kind / "darts_surgery.safetensors"))
+        assert all(k.startswith("darts_surgery.") for k in surgery)
+        assert not (exported / kind / "model.safetensors").exists()  # would shadow the index
+
+
+def test_model_card(exported: Path) -> None:
+    card = (exported / "add" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n")
+    for text in (
+        "`add`",
+        "tiny_add",
+        "0.625",  # rho_L1 of the third kind
+        "trust_remote_code=True",
+        "vllm serve exported/add",
+        "lm_eval --model vllm --model_args pretrained=exported/add",
+        "lm_eval --model hf --model_args pretrained=exported/add,trust_remote_code=True",
+        "merge_method: task_arithmetic",
+        "(base)",
+    ):
+        assert text in card, text
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink", "copy"])
+def test_link_modes(link: str, merged: Path, tmp_path: Path) -> None:
+    dest = tmp_path / link
+    run = CliRunner().invoke(
+        main, ["export", str(merged), "--task", "standard", str(dest), "--link", link]
+    )
+    assert run.exit_code == 0, run.output
+    shard = dest / "model-00001-of-00001.safetensors"
+    source = merged / "model.safetensors"
+    files = list(dest.iterdir())
+    if link == "symlink":
+        assert shard.is_symlink() and shard.resolve() == source.resolve()
+    else:
+        assert not [f for f in files if f.is_symlink()]
+        assert (shard.stat().st_ino == source.stat().st_ino) == (link == "hardlink")
+        assert shard.read_bytes() == source.read_bytes()
+    assert load(dest).config.darts["task"] == "standard"
+
+
+# ---- errors: one line, before anything is written ------------------------------------------------------
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def fail(*args: str) -> str:
+    run = CliRunner().invoke(main, ["export", *args])
+    assert run.exit_code != 0
+    message = run.output.strip().splitlines()[-1]
+    assert message.startswith("Error: "), run.output
+    return message
+
+
+def test_errors_leave_dest_untouched(merged: Path, tiny_family: Any, tmp_path: Path) -> None:
+    out = str(merged)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    file = tmp_path / "file"
+    file.write_text("mine")
+    before = snapshot(tmp_path)
+
+    assert "has no surgery/ folder" in fail(
+        str(tiny_family.base), "--task", "x", str(tmp_path / "a")
+    )
+    assert "no surgery task 'nope'" in fail(out, "--task", "nope", str(tmp_path / "a"))
+    assert "available: standard, pos_corr, add, parallel" in fail(
+        out, "--task", "nope", str(tmp_path / "a")
+    )
+    assert "is not empty" in fail(out, "--task", "add", str(full))
+    assert "is not empty" in fail(out, "--all", str(full))
+    assert "is not a folder" in fail(out, "--task", "add", str(file))
+    assert "--link" in fail(out, "--task", "add", str(tmp_path / "a"), "--link", "soft")
+    assert "either --task" in fail(out, str(tmp_path / "a"))
+    assert "either --task" in fail(out, "--all", "--task", "add", str(tmp_path / "a"))
+    assert snapshot(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
+
+
+def test_other_bad_sources(merged: Path, exported: Path, tmp_path: Path) -> None:
+    pickled = Path(shutil.copytree(merged, tmp_path / "pickled", symlinks=True))
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    assert "safetensors weights only" in fail(str(pickled), "--task", "add", str(tmp_path / "a"))
+    assert "already a DARTS export" in fail(
+        str(exported / "add"), "--task", "add", str(tmp_path / "a")
+    )
+    wrong = Path(shutil.copytree(merged, tmp_path / "wrong"))
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps(config | {"hidden_size": 32}))
+    assert "hidden size 64" in fail(str(wrong), "--task", "add", str(tmp_path / "a"))
+    custom = {"architectures": ["MyLlamaForCausalLM"], "auto_map": {"AutoModel": "my.Model"}}
+    (wrong / "config.json").write_text(json.dumps(config | custom))
+    assert "from custom code" in fail(str(wrong), "--task", "add", str(tmp_path / "a"))
+    assert not (tmp_path / "a").exists()
+
+
+def test_hardlink_across_filesystems_is_refused(merged: Path) -> None:
+    other = Path("/dev/shm")
+    if not other.is_dir() or other.stat().st_dev == merged.stat().st_dev:
+        pytest.skip("no second filesystem here")
+    dest = other / f"darts-export-test-{os.getpid()}"
+    message = fail(str(merged), "--task", "add", str(dest), "--link", "hardlink")
+    assert "one filesystem" in message and "--link copy" in message
+    assert not dest.exists()
+
+
+def test_a_failure_while_writing_leaves_nothing(
+    merged: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mergekit_darts.export as module
+
+    def broken(*_args: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(module.shutil, "copyfile", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export(merged, tmp_path / "dest", "add", link="copy")
+    assert list(tmp_path.iterdir()) == []

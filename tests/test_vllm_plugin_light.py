@@ -1,0 +1,98 @@
+"""The vLLM plugin's parts that need no vLLM: a light entry point and the ``darts`` config type.
+
+The engine-side tests (log-probs under batching, ``lm_eval --model vllm``, ``vllm serve``) live
+in ``tests_vllm/`` and run in their own virtualenv with ``make test-vllm``.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from mergekit_darts.vllm_plugin.config import DartsConfig, darts_section
+
+ROOT = Path(__file__).parents[1]
+DARTS = {
+    "format": "darts-export",
+    "version": 1,
+    "base_model_type": "llama",
+    "base_architecture": "LlamaForCausalLM",
+    "task": "math",
+    "module": "pos_corr",
+    "rank": 4,
+    "max_positions": 12,
+    "hidden_size": 64,
+    "prefix": "darts_surgery.",
+}
+
+
+def exported_config() -> dict[str, Any]:
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, vocab_size=50).to_dict()
+    config.update(
+        model_type="darts",
+        architectures=["DartsLlamaForCausalLM"],
+        darts=copy.deepcopy(DARTS),
+    )
+    return config
+
+
+def test_entry_point_imports_nothing_heavy_until_vllm_calls_it() -> None:
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    target = entry["vllm.general_plugins"]["mergekit-darts"]
+    module, _, function = target.partition(":")
+    code = (
+        f"import sys, {module} as m; assert callable(m.{function}); "
+        "print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_darts_config_is_the_base_config_plus_the_darts_section() -> None:
+    # what AutoConfig calls once the plugin has registered DartsConfig for "darts" (not done
+    # here: the registration would outlive this test and change how other tests' exports load)
+    config = DartsConfig.from_dict(exported_config())
+    assert isinstance(config, LlamaConfig) and type(config).__name__ == "DartsLlamaConfig"
+    assert (config.hidden_size, config.num_attention_heads, config.vocab_size) == (64, 4, 50)
+    assert config.darts == DARTS and config.model_type == "darts"
+    again = pickle.loads(pickle.dumps(config))  # how vLLM ships it to its workers
+    assert type(again) is type(config) and again.to_dict() == config.to_dict()
+    # plain transformers still refuses to load the folder as an uncorrected Llama
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"format": "other"}, "no 'darts-export' section"),
+        ({"version": 2}, "version 2"),
+        ({"base_model_type": "nonexistent"}, "base_model_type 'nonexistent'"),
+        ({"base_model_type": "darts"}, "base_model_type 'darts'"),
+        ({"module": "bogus"}, "darts.module 'bogus'"),
+        ({"rank": 0}, "positive integers"),
+        ({"hidden_size": "64"}, "positive integers"),
+        ({"prefix": ""}, "prefix"),
+    ],
+)
+def test_a_bad_darts_section_gets_a_one_line_error(change: dict, message: str) -> None:
+    config = exported_config()
+    config["darts"].update(change)
+    with pytest.raises(ValueError, match=message) as info:
+        darts_section(config)
+    assert "\n" not in str(info.value)
+
+
+def test_no_darts_section_at_all() -> None:
+    config = exported_config()
+    del config["darts"]
+    with pytest.raises(ValueError, match="mergekit-darts export"):
+        DartsConfig.from_dict(config)
