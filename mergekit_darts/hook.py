@@ -95,7 +95,7 @@ def prepare_merge_surgery(
     own_tokenizer = builds_tokenizer and merge_config.tokenizer_source != "base"
     stand_in = reference is not None
     if reference is None:
-        reference = (merge_config.base_model or _first_model(merge_config)).model.path
+        reference = reference_model(merge_config)
     prepared = prepare_surgery(
         block,
         reference=reference,
@@ -154,6 +154,11 @@ def _check_padding(merge_config: Any, prepared: PreparedSurgery) -> None:
                 f"pads the merged embedding rows to a multiple of {multiple} and {task.target} has "
                 f"{rows}; use loss l1 or ewl1, or drop pad_to_multiple_of"
             )
+
+
+def reference_model(merge_config: Any) -> str:
+    """The path the targets are checked against: the base model, else the first model listed."""
+    return (merge_config.base_model or _first_model(merge_config)).model.path
 
 
 def _first_model(merge_config: Any) -> Any:
