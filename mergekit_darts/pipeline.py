@@ -46,6 +46,7 @@ from .continuation import continue_prompts, eos_token_ids, tokens_sha256
 from .data import Prompts, load_prompts, tokenize_prompts
 from .metrics import rho_from_deltas
 from .modules import build_module
+from .record import record_block
 from .train import TrainResult, TrainSettings, evaluate, train_surgery
 
 SURGERY_YAML = "surgery.yml"
@@ -183,6 +184,7 @@ def run_prepared(
         written = _write(
             captured.runs, merged, prepared, captured.env, captured.load_merged_s, started
         )
+    record_block(merged, prepared.block, card=write_card)
     if write_card:
         update_model_card(merged, written)
     if progress:
