@@ -527,13 +527,21 @@ def _check_vocab(
 
 
 def _tokenizer_vocab(ref: str, trust_remote_code: bool) -> dict[str, int] | None:
-    """The token -> id map, or None when the folder has no tokenizer to compare."""
+    """The token -> id map, or None when the folder has no tokenizer to compare.
+
+    Warns when transformers loads a tokenizer that encodes unlike the folder's tokenizer.json
+    (transformers 5 and ``model_type: qwen2``; README, Known issues): the maps may still agree.
+    """
     from transformers import AutoTokenizer
 
+    from .upstream import warn_tokenizer_mismatch
+
     try:
-        return AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code).get_vocab()
+        tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code)
     except Exception:  # no tokenizer files: nothing to compare, the vocab_size check remains
         return None
+    warn_tokenizer_mismatch(ref, tokenizer)
+    return tokenizer.get_vocab()
 
 
 def check_output(out_path: str | Path, overwrite: bool) -> None:

@@ -55,7 +55,9 @@ def merge_with_surgery(
     """
     # imported here, not at the top: install() runs on every `mergekit-yaml --help`
     from .config import surgery_block
+    from .upstream import neox_buffers_optional
 
+    neox_buffers_optional()
     block = surgery_block(config_source)
     if block is None:
         return run_merge(merge_config, out_path, options=options, config_source=config_source)
