@@ -4,7 +4,8 @@ The ``.pth`` startup hook calls :func:`install` right after ``mergekit.merge`` i
 before ``mergekit-yaml`` from-imports ``run_merge``. The wrapper reads the raw YAML mergekit
 passes as ``config_source`` (mergekit's own config model drops unknown keys): without a block it
 calls the stock function untouched; with one it validates the whole block first, merges, then
-runs the surgery on the output folder.
+runs the surgery on the output folder. Every merge first gets the GPT-NeoX fix of
+:mod:`mergekit_darts.upstream` (README, Known issues).
 """
 
 from __future__ import annotations

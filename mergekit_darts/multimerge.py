@@ -40,10 +40,12 @@ def install(multimerge: ModuleType) -> None:
     @functools.wraps(original)
     def callback(**kwargs: Any) -> Any:
         kwargs["intermediate_dir"] = local_dir(kwargs["intermediate_dir"])
-        stages = _stages(multimerge, kwargs)
+        with open(kwargs["config_file"], encoding="utf-8") as file:
+            text = file.read()
+        stages = _stages(text, kwargs)
         if not stages:
             return original(**kwargs)
-        prepared = _prepare(multimerge, stages, kwargs)
+        prepared = _prepare(multimerge, text, stages, kwargs)
         result = original(**kwargs)
         _finish(prepared, kwargs)
         return result
@@ -59,14 +61,12 @@ def local_dir(path: str) -> str:
     return os.path.join(".", path)
 
 
-def _stages(multimerge: ModuleType, kwargs: dict[str, Any]) -> list[_Stage]:
+def _stages(text: str, kwargs: dict[str, Any]) -> list[_Stage]:
     """The stages whose document carries a ``surgery:`` block, with their output folders."""
     import yaml
 
     from .config import SurgeryConfigError, surgery_block
 
-    with open(kwargs["config_file"], encoding="utf-8") as file:
-        text = file.read()
     if "surgery" not in text:  # cheap: most recipes have no block
         return []
     try:
@@ -89,13 +89,12 @@ def _stages(multimerge: ModuleType, kwargs: dict[str, Any]) -> list[_Stage]:
 
 
 def _prepare(
-    multimerge: ModuleType, stages: list[_Stage], kwargs: dict[str, Any]
+    multimerge: ModuleType, text: str, stages: list[_Stage], kwargs: dict[str, Any]
 ) -> list[tuple[_Stage, Any]]:
     """Check every stage's block before the first merge; drop stages ``--lazy`` leaves alone."""
     from .hook import prepare_merge_surgery, reference_model
 
-    with open(kwargs["config_file"], encoding="utf-8") as file:
-        configs, _ = multimerge.load_config(file.read(), kwargs["intermediate_dir"])
+    configs, _ = multimerge.load_config(text, kwargs["intermediate_dir"])
     outputs = {os.path.join(kwargs["intermediate_dir"], n): n for n in configs if n is not None}
     options = _options(kwargs)
     prepared = []
@@ -109,11 +108,10 @@ def _prepare(
                 stage.name or "final merge",
             )
             continue
-        reference = reference_model(config)
-        stand_in = None
-        while reference in outputs:  # an earlier stage's output: use what that stage merges
-            reference = reference_model(configs[outputs[reference]])
-            stand_in = reference
+        reference, stand_in, seen = reference_model(config), None, set()
+        while reference in outputs and reference not in seen:  # an earlier stage's output:
+            seen.add(reference)  # check against what that stage merges (cycles: mergekit's error)
+            reference = stand_in = reference_model(configs[outputs[reference]])
         with _stage_errors(stage):
             ready = prepare_merge_surgery(
                 stage.block, config, stage.out_path, options, reference=stand_in
