@@ -481,3 +481,15 @@ def test_no_diagnostics_no_overlap_check(
         out = evaluate({"pretrained": str(merged), "surgery": "math"}, [MC])
     assert out["config"]["darts_calibration_overlap"] == {}
     assert not [r for r in caplog.records if "calibration prompts" in r.getMessage()]
+
+
+def test_calibration_grams() -> None:
+    """13-token windows of long sequences, whole short sequences, nothing shorter."""
+    from lm_eval_darts.leakage import CalibrationGrams
+
+    long, short = list(range(100, 120)), [7, 8, 9]
+    grams = CalibrationGrams([long, short])
+    assert grams.found_in([1, 2, *long[3:16], 5])  # 13 consecutive calibration tokens
+    assert not grams.found_in([1, 2, *long[3:15], 5])  # 12 are not enough
+    assert grams.found_in([0, 7, 8, 9, 0]) and not grams.found_in([7, 8, 0, 9])
+    assert not CalibrationGrams([]).found_in(long)
