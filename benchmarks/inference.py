@@ -22,10 +22,15 @@ TASK = "bench"
 
 
 def write_random_surgery(
-    folder: Path, hidden: int, vocab: int, rank: int, max_positions: int
+    folder: Path, hidden: int, vocab: int, rank: int, max_positions: int, calibration: int = 50
 ) -> Path:
-    """A surgery folder holding one pos_corr module whose correction is not zero."""
+    """A surgery folder holding one pos_corr module whose correction is not zero.
+
+    Its diagnostics hold ``calibration`` random sequences of ``max_positions`` tokens, so
+    ``hf-darts`` runs its calibration-leakage check on every call, as after a real surgery.
+    """
     import torch
+    from safetensors.torch import save
 
     from mergekit_darts import build_module
     from mergekit_darts.artifacts import write_surgery_folder
@@ -35,9 +40,17 @@ def write_random_surgery(
         torch.manual_seed(1)
         module.up.weight.normal_(0, 0.02)
         module.position_bias.normal_(0, 0.02)
-    entry = {"module": "pos_corr", "rank": rank, "max_positions": max_positions}
+        ids = torch.randint(vocab, (calibration, max_positions))
+    diagnostics = "diagnostics/bench.safetensors"
+    entry = {
+        "module": "pos_corr",
+        "rank": rank,
+        "max_positions": max_positions,
+        "diagnostics": diagnostics,
+    }
     manifest = {"hidden_size": hidden, "vocab_size": vocab, "tasks": {TASK: entry}}
-    return write_surgery_folder(folder, {TASK: module}, manifest)
+    extra = {diagnostics: save({"input_ids": ids, "mask": torch.ones_like(ids, dtype=torch.bool)})}
+    return write_surgery_folder(folder, {TASK: module}, manifest, extra_files=extra)
 
 
 def _requests(tokenizer: Any, settings: Any) -> tuple[list[Any], list[Any], int]:

@@ -27,6 +27,7 @@ from mergekit_darts.artifacts import SurgeryFormatError, load_surgery, read_mani
 from mergekit_darts.modules import SurgeryModule
 
 from .hook import register
+from .leakage import LeakageCheck
 
 eval_logger = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class DartsHFLM(HFLM):
         plan = SurgeryPlan.resolve(surgery, surgery_map, surgery_path, *self._source)
         super().__init__(pretrained=pretrained, **kwargs)
         self._handle: SurgeryHandle | None = None
+        self._leakage = LeakageCheck(self.tokenizer)
         self._use(plan)
 
     def set_surgery(
@@ -226,6 +228,8 @@ class DartsHFLM(HFLM):
         disable_tqdm: bool,
     ) -> list[R]:
         """Run HFLM's ``run`` once per surgery module, each group with its module active."""
+        if self._handle is not None:
+            self._leakage.check(requests, self.surgery.folder, self._serving)
         routes = self.surgery.routes
         if routes is None or self._handle is None:
             return run(requests, disable_tqdm=disable_tqdm)
@@ -254,6 +258,16 @@ class DartsHFLM(HFLM):
         finally:
             self._handle.module = None
         return results
+
+    def _serving(self, task_name: str) -> str | None:
+        """The surgery module that serves an lm-eval task (None: none or unmapped)."""
+        if self.surgery.routes is None:
+            return self.surgery.mode
+        try:
+            target = route(self.surgery.routes, task_name)
+        except ValueError:  # ambiguous patterns: _grouped reports it
+            return None
+        return None if target == NONE else target
 
     def loglikelihood(
         self, requests: list[Instance], disable_tqdm: bool = False
@@ -285,6 +299,8 @@ class DartsHFLM(HFLM):
             info["darts_surgery_path"] = str(self.surgery.folder)
         if self.surgery.routes is not None:
             info["darts_surgery_map"] = dict(self.surgery.routes)
+        if self._handle is not None:  # requests per lm-eval task that reuse calibration prompts
+            info["darts_calibration_overlap"] = dict(self._leakage.counts)
         return info
 
 

@@ -59,9 +59,10 @@ ModuleKind = Literal[MODULE_KINDS]
 LossName = Literal[LOSSES]
 LossPositions = Literal["all", "completion"]
 CacheDtype = Literal["bfloat16", "float16", "float32"]
-# exact: a target must have the merged model's vocabulary; prefix: it may append tokens after
-# it (WizardMath-7B-V1.0 adds [PAD] as id 32000 to Llama-2's 32000) when every shared token keeps
-# its id, since hidden-state losses never look at the extra rows.
+# exact: a target must have the merged model's token -> id map; prefix: it may append tokens
+# after it (WizardMath-7B-V1.0 adds [PAD] as id 32000 to Llama-2's 32000) when every shared token
+# keeps its id, since hidden-state losses never look at the extra rows. Either way embedding rows
+# without a token (mergekit's tokenizer.pad_to_multiple_of) are accepted for l1/ewl1.
 TargetVocab = Literal["exact", "prefix"]
 # held-out selection metrics: top-1 agreement with the target (higher is better), KL(target ||
 # corrected merge) (lower), rho_L1 (higher)
@@ -530,10 +531,8 @@ def check_targets(
 ) -> dict[str, str]:
     """Check each target against ``reference`` (the base before merging, the merge after).
 
-    Returns each task's resolved target location. With ``check_vocab`` the vocabulary size and
-    the tokenizer's token -> id map must match too: calibration feeds one sequence of token ids
-    to both models. ``target_vocab="prefix"`` accepts a target that only appends tokens, for
-    the hidden-state losses (``kl``/``ce`` compare two distributions over one vocabulary).
+    Returns each task's resolved target location. With ``check_vocab`` the vocabularies are
+    compared too (:func:`_check_vocab`): calibration feeds one sequence of token ids to both.
     """
     ref_shape = model_shape(reference, reference_label, trust_remote_code=trust_remote_code)
     ref_vocab = _tokenizer_vocab(reference, trust_remote_code) if check_vocab else None
@@ -547,39 +546,94 @@ def check_targets(
                 f"{key}: {task.target} has hidden_size {shape.hidden_size}, the {reference_label} "
                 f"has {ref_shape.hidden_size}; surgery needs targets of the merged architecture"
             )
-        prefix = target_vocab == "prefix" and not task.needs_logits
-        appended = prefix and shape.vocab_size > ref_shape.vocab_size
-        if check_vocab and shape.vocab_size != ref_shape.vocab_size and not appended:
-            raise SurgeryConfigError(
-                f"{key}: {task.target} has vocab_size {shape.vocab_size}, the "
-                f"{reference_label} has {ref_shape.vocab_size}; the target must share the "
-                "merged model's vocabulary (a target that only appends tokens is accepted "
-                "with surgery.target_vocab: prefix, loss l1 or ewl1 and select metric rho_l1: "
-                "agreement, kl and ce compare two distributions over one vocabulary)"
-            )
-        tokens = _tokenizer_vocab(where, trust_remote_code) if check_vocab else None
-        if ref_vocab is not None and tokens is not None:
-            shared = {t: tokens.get(t) for t in ref_vocab} if prefix else tokens
-            if shared != ref_vocab:
-                differ = len(set(ref_vocab.items()) ^ set(shared.items()))
-                raise SurgeryConfigError(
-                    f"{key}: the tokenizer of {task.target} differs from the {reference_label}'s "
-                    f"({differ} token/id pairs differ); calibration feeds the same token ids to "
-                    "both"
-                )
+        if check_vocab:
+            tokens = _tokenizer_vocab(where, trust_remote_code)
+            _check_vocab(task, shape, ref_shape, tokens, ref_vocab, reference_label, target_vocab)
         located[task.name] = where
     return located
 
 
+def _check_vocab(
+    task: ResolvedTask,
+    shape: ModelShape,
+    ref_shape: ModelShape,
+    tokens: dict[str, int] | None,
+    ref_vocab: dict[str, int] | None,
+    reference_label: str,
+    target_vocab: str,
+) -> None:
+    """The vocabulary rules between a target and the reference.
+
+    The token -> id maps decide (equal, or under ``prefix`` every reference token keeping its id
+    in the target); embedding row counts may differ, since rows without a token (mergekit's
+    ``tokenizer.pad_to_multiple_of``, appended tokens) never meet a calibration id and the
+    hidden-state losses never look at them. ``kl``/``ce`` compare the two heads' distributions
+    over one vocabulary, so they need equal row counts as well. Without both tokenizers only the
+    row counts can be compared.
+    """
+    key, target, ref = f"{task.key}.target", task.target, reference_label
+    sizes = f"{target} has vocab_size {shape.vocab_size}, the {ref} has {ref_shape.vocab_size}"
+    if task.needs_logits and shape.vocab_size != ref_shape.vocab_size:
+        raise SurgeryConfigError(
+            f"{key}: {sizes}; loss kl/ce and select metrics agreement/kl compare the two "
+            "models' distributions over one vocabulary and need equal sizes; use loss l1 or ewl1 "
+            "(select metric rho_l1), which accept padded embedding rows and (with "
+            "surgery.target_vocab: prefix) appended tokens"
+        )
+    prefix = target_vocab == "prefix" and not task.needs_logits
+    if tokens is None or ref_vocab is None:
+        if shape.vocab_size == ref_shape.vocab_size or (
+            prefix and shape.vocab_size > ref_shape.vocab_size
+        ):
+            return
+        hint = (
+            "; a target that only appends tokens is accepted with surgery.target_vocab: prefix"
+            if not prefix and shape.vocab_size > ref_shape.vocab_size
+            else ""
+        )
+        raise SurgeryConfigError(
+            f"{key}: {sizes}, and without both tokenizers their token ids cannot be compared{hint}"
+        )
+    shared = {t: tokens.get(t) for t in ref_vocab}
+    keeps_ids = shared == ref_vocab
+    compared = shared if prefix else tokens
+    if compared != ref_vocab:
+        differ = len(set(ref_vocab.items()) ^ set(compared.items()))
+        hint = (
+            "; it keeps every token's id and adds tokens: set surgery.target_vocab: prefix"
+            if keeps_ids and not task.needs_logits
+            else ""
+        )
+        raise SurgeryConfigError(
+            f"{key}: the tokenizer of {target} ({len(tokens)} tokens, vocab_size "
+            f"{shape.vocab_size}) differs from the {ref}'s ({len(ref_vocab)} tokens, vocab_size "
+            f"{ref_shape.vocab_size}): {differ} token/id pairs differ; calibration feeds the same "
+            f"token ids to both{hint}"
+        )
+    top = max(ref_vocab.values(), default=-1)
+    if shape.vocab_size is not None and top >= shape.vocab_size:
+        raise SurgeryConfigError(
+            f"{key}: the {ref}'s tokenizer has token ids up to {top}, but {target} has only "
+            f"{shape.vocab_size} embedding rows"
+        )
+
+
 def _tokenizer_vocab(ref: str, trust_remote_code: bool) -> dict[str, int] | None:
-    """The token -> id map, or None when the folder has no tokenizer to compare."""
+    """The token -> id map, or None when the folder has no tokenizer to compare.
+
+    Warns when transformers loads a tokenizer that encodes unlike the folder's tokenizer.json
+    (transformers 5 and ``model_type: qwen2``; README, Known issues): the maps may still agree.
+    """
     from transformers import AutoTokenizer
+
+    from .upstream import warn_tokenizer_mismatch
 
     def vocab() -> dict[str, int] | None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code)
         except Exception:  # no tokenizer files: nothing to compare, the vocab_size check remains
             return None
+        warn_tokenizer_mismatch(ref, tokenizer)
         return tokenizer.get_vocab()
 
     return by_files(_VOCABS, ref, trust_remote_code, vocab)

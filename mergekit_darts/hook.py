@@ -4,7 +4,8 @@ The ``.pth`` startup hook calls :func:`install` right after ``mergekit.merge`` i
 before ``mergekit-yaml`` from-imports ``run_merge``. The wrapper reads the raw YAML mergekit
 passes as ``config_source`` (mergekit's own config model drops unknown keys): without a block it
 calls the stock function untouched; with one it validates the whole block first, merges, then
-runs the surgery on the output folder.
+runs the surgery on the output folder. Every merge first gets the GPT-NeoX fix of
+:mod:`mergekit_darts.upstream` (README, Known issues).
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .pipeline import PreparedSurgery
 
 OVERWRITE_ENV = "DARTS_OVERWRITE_SURGERY"  # the overwrite flag for the stock mergekit-yaml
 
@@ -51,16 +55,38 @@ def merge_with_surgery(
     ``run_merge`` starts. ``overwrite=None`` reads ``DARTS_OVERWRITE_SURGERY``.
     """
     # imported here, not at the top: install() runs on every `mergekit-yaml --help`
-    from .config import SurgeryConfigError, check_targets, surgery_block
+    from .config import surgery_block
+    from .upstream import neox_buffers_optional
 
+    neox_buffers_optional()
     block = surgery_block(config_source)
     if block is None:
         return run_merge(merge_config, out_path, options=options, config_source=config_source)
-    from .pipeline import prepare_surgery, run_prepared
+    prepared = prepare_merge_surgery(block, merge_config, out_path, options, overwrite=overwrite)
+    result = run_merge(merge_config, out_path, options=options, config_source=config_source)
+    finish_merge_surgery(prepared, out_path, options)
+    return result
+
+
+def prepare_merge_surgery(
+    block: Mapping[str, Any],
+    merge_config: Any,
+    out_path: str,
+    options: Any,
+    *,
+    overwrite: bool | None = None,
+    reference: str | None = None,
+) -> PreparedSurgery:
+    """Every check of ``block`` that can run before ``merge_config`` is merged into ``out_path``.
+
+    ``reference`` stands in for the merge's base model when that is not on disk yet (an earlier
+    ``mergekit-multi`` stage); the vocabulary checks then wait for the merged folder.
+    """
+    from .config import SurgeryConfigError
+    from .pipeline import prepare_surgery
 
     if overwrite is None:
         overwrite = os.environ.get(OVERWRITE_ENV, "") not in ("", "0")
-    reference = merge_config.base_model or _first_model(merge_config)
     builds_tokenizer = (
         merge_config.tokenizer is not None or merge_config.tokenizer_source is not None
     )
@@ -70,15 +96,26 @@ def merge_with_surgery(
             "the output folder; drop the flag or set the merge's tokenizer_source"
         )
     own_tokenizer = builds_tokenizer and merge_config.tokenizer_source != "base"
+    stand_in = reference is not None
+    if reference is None:
+        reference = reference_model(merge_config)
     prepared = prepare_surgery(
         block,
-        reference=reference.model.path,
-        reference_label=f"base model {reference.model.path}",
+        reference=reference,
+        reference_label=f"base model {reference}",
         out_path=out_path,
         overwrite=overwrite,
-        check_vocab=not own_tokenizer,
+        check_vocab=not (own_tokenizer or stand_in),
     )
-    result = run_merge(merge_config, out_path, options=options, config_source=config_source)
+    _check_padding(merge_config, prepared)
+    return prepared
+
+
+def finish_merge_surgery(prepared: PreparedSurgery, out_path: str, options: Any) -> None:
+    """The surgery on the folder ``run_merge`` just wrote."""
+    from .config import check_targets
+    from .pipeline import run_prepared
+
     # The merge may have built its own tokenizer: check the targets against what it wrote.
     targets = check_targets(
         prepared.tasks,
@@ -93,7 +130,38 @@ def merge_with_surgery(
         progress=not options.quiet,
         write_card=options.write_model_card,
     )
-    return result
+
+
+def _check_padding(merge_config: Any, prepared: PreparedSurgery) -> None:
+    """Refuse kl/ce before merging when ``tokenizer.pad_to_multiple_of`` must change the row count.
+
+    The padded merged head has a multiple of ``m`` rows, so a target whose row count is not one
+    cannot share its vocabulary size (the rule ``check_targets`` applies after the merge).
+    """
+    from .config import SurgeryConfigError, model_shape
+
+    multiple = merge_config.tokenizer.pad_to_multiple_of if merge_config.tokenizer else None
+    if not multiple:
+        return
+    for task in prepared.tasks:
+        if task.loss not in ("kl", "ce"):
+            continue
+        key = f"{task.key}.target"
+        rows = model_shape(
+            prepared.targets[task.name], key, trust_remote_code=prepared.config.trust_remote_code
+        ).vocab_size
+        if rows is not None and rows % multiple:
+            raise SurgeryConfigError(
+                f"{task.source_key('loss')}: {task.loss} compares the merged and target "
+                f"distributions over one vocabulary, but tokenizer.pad_to_multiple_of: {multiple} "
+                f"pads the merged embedding rows to a multiple of {multiple} and {task.target} has "
+                f"{rows}; use loss l1 or ewl1, or drop pad_to_multiple_of"
+            )
+
+
+def reference_model(merge_config: Any) -> str:
+    """The path the targets are checked against: the base model, else the first model listed."""
+    return (merge_config.base_model or _first_model(merge_config)).model.path
 
 
 def _first_model(merge_config: Any) -> Any:

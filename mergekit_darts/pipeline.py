@@ -47,6 +47,7 @@ from .head import HeadError
 from .losses import LOGIT_LOSSES
 from .metrics import rho_from_deltas
 from .modules import SurgeryModule, build_module
+from .record import record_block
 from .selection import HeldOut, choose, held_out_metrics, holdout_split
 from .store import (
     Calibration,
@@ -213,6 +214,7 @@ def run_prepared(
             started,
             store.stats.since(stats),
         )
+    record_block(merged, prepared.block, card=write_card)
     if write_card:
         update_model_card(merged, written)
     if progress:

@@ -3,7 +3,7 @@
 mergekit 0.1.5 has no plugin hooks and lm-eval 0.4.13 reads no model entry points, so the stock
 ``mergekit-yaml`` and ``lm_eval`` commands can only learn about DARTS if something patches them as
 they are imported. This module adds one cheap meta-path finder: it ignores every import except the
-two modules it watches, and for those it runs the real loader and then calls our patch function.
+modules it watches, and for those it runs the real loader and then calls our patch function.
 Nothing heavy (torch, mergekit, lm_eval) is imported until the user imports those packages.
 Set ``DARTS_NO_HOOK=1`` to turn it off.
 """
@@ -13,6 +13,7 @@ import sys
 # watched module -> (module with an ``install(module)`` function) run after it finishes importing
 _PATCHES = {
     "mergekit.merge": "mergekit_darts.hook",
+    "mergekit.scripts.multimerge": "mergekit_darts.multimerge",  # mergekit-multi
     "lm_eval.models": "lm_eval_darts.hook",
 }
 

@@ -449,3 +449,69 @@ def test_lm_eval_darts_command(cli_runs: dict[str, Any]) -> None:
     log, rc = cli_runs["fallback"]
     assert rc == 0, log
     assert cli_samples(cli_runs["out"] / "map") == cli_samples(cli_runs["out"] / "stock")
+
+
+# --- calibration leakage ---------------------------------------------------------------------
+
+# Two docs of darts_tiny_gen (and so of darts_tiny_ppl, which reads the same file); no
+# darts_tiny_mc request contains either.
+LEAKED = ["water and fire and stone and tree", "def mul ( k , l ) : return k times l"]
+
+
+@pytest.fixture(scope="module")
+def leaky_surgery(merged: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-task surgery folder whose diagnostics hold LEAKED (+ a prompt no task uses),
+    tokenized the way the pipeline stores them: BOS first, right-padded, with a mask."""
+    from safetensors.torch import save
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    rows = [tokenizer(text)["input_ids"] for text in [*LEAKED, "red green blue moon tree"]]
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+    mask = torch.tensor([[i < len(row) for i in range(width)] for row in rows])
+    folder = tmp_path_factory.mktemp("leaky") / "surgery"
+    write_surgery(folder, {"math": [MC]}, 65)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["tasks"]["math"]["diagnostics"] = "diagnostics/math.safetensors"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "diagnostics").mkdir()
+    (folder / "diagnostics" / "math.safetensors").write_bytes(
+        save({"input_ids": ids, "mask": mask})
+    )
+    return folder
+
+
+def test_calibration_prompts_in_eval_requests_are_reported(
+    evaluate: Callable, merged: Path, leaky_surgery: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    args = {"pretrained": str(merged), "surgery_path": str(leaky_surgery), "surgery": "math"}
+    with caplog.at_level("WARNING"):
+        out = evaluate(args, [MC, GEN, PPL])
+    assert out["config"]["darts_calibration_overlap"] == {MC: 0, GEN: 2, PPL: 2}
+    warnings = [r.getMessage() for r in caplog.records if "calibration prompts" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # one per leaking task, none for the clean one
+    assert any(f"2 of 10 requests of lm-eval task {GEN}" in w for w in warnings)
+    assert any(f"lm-eval task {PPL}" in w for w in warnings)
+    assert not any(MC in w for w in warnings)
+
+
+def test_no_diagnostics_no_overlap_check(
+    evaluate: Callable, merged: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING"):
+        out = evaluate({"pretrained": str(merged), "surgery": "math"}, [MC])
+    assert out["config"]["darts_calibration_overlap"] == {}
+    assert not [r for r in caplog.records if "calibration prompts" in r.getMessage()]
+
+
+def test_calibration_grams() -> None:
+    """13-token windows of long sequences, whole short sequences, nothing shorter."""
+    from lm_eval_darts.leakage import CalibrationGrams
+
+    long, short = list(range(100, 120)), [7, 8, 9]
+    grams = CalibrationGrams([long, short])
+    assert grams.found_in([1, 2, *long[3:16], 5])  # 13 consecutive calibration tokens
+    assert not grams.found_in([1, 2, *long[3:15], 5])  # 12 are not enough
+    assert grams.found_in([0, 7, 8, 9, 0]) and not grams.found_in([7, 8, 0, 9])
+    assert not CalibrationGrams([]).found_in(long)

@@ -380,3 +380,38 @@ def test_no_copy_tokenizer_is_refused_before_merging(workdir, tmp_path, monkeypa
             source,
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_calibrate_with_a_new_block_updates_the_recorded_recipe(workdir, tmp_path, monkeypatch):
+    """After `calibrate` with another block, mergekit_config.yml and the card's copy of it show
+    the block that was run (as surgery/surgery.yml does); the merge part keeps its bytes."""
+    from click.testing import CliRunner
+
+    from mergekit_darts.cli import main
+
+    monkeypatch.chdir(workdir)
+    old = yaml.safe_dump({"surgery": SURGERY}, sort_keys=False)
+    models = yaml.safe_dump({"models": METHODS["linear"]["models"]}, sort_keys=False)
+    source = f"# my recipe\nmerge_method: linear\n{old}\n# kept\ndtype: float32\n{models}"
+    out = tmp_path / "out"
+    merge_with_surgery(
+        inspect.unwrap(mergekit.merge.run_merge),
+        MergeConfiguration.model_validate(yaml.safe_load(source)),
+        str(out),
+        MergeOptions(quiet=True),
+        source,
+    )
+    assert (out / "mergekit_config.yml").read_text() == source  # merged with its own block: as is
+    new_block = {**SURGERY, "steps": 7, "tasks": SURGERY["tasks"][:1]}
+    (tmp_path / "new.yml").write_text(yaml.safe_dump({"surgery": new_block}, sort_keys=False))
+    done = CliRunner().invoke(
+        main, ["calibrate", str(out), str(tmp_path / "new.yml"), "--overwrite", "--quiet"]
+    )
+    assert done.exit_code == 0, done.output
+    new = yaml.safe_dump({"surgery": new_block}, sort_keys=False)
+    recipe = (out / "mergekit_config.yml").read_text()
+    assert recipe == source.replace(old, new)
+    assert yaml.safe_load((out / "surgery" / "surgery.yml").read_text()) == {"surgery": new_block}
+    readme = (out / "README.md").read_text()
+    assert recipe in readme and source not in readme
+    assert readme.count("## DARTS surgery") == 1

@@ -1,9 +1,12 @@
-"""`surgery.target_vocab: prefix`: targets that append tokens (WizardMath's 32001 vs 32000)."""
+"""Vocabularies that differ in size: targets that append tokens (WizardMath's 32001 vs 32000,
+`surgery.target_vocab: prefix`) and merges whose embedding rows mergekit pads
+(`tokenizer.pad_to_multiple_of`)."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import shutil
 
 import mergekit.merge
 import pytest
@@ -12,7 +15,9 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 from test_config import merge_config, refuse
 from tiny import build_tokenizer, save_model
+from transformers import AutoModelForCausalLM
 
+from mergekit_darts.config import SurgeryConfigError, check_targets, parse_surgery, resolve_tasks
 from mergekit_darts.hook import merge_with_surgery
 
 
@@ -73,3 +78,77 @@ def test_prefix_target_calibrates(tiny_family, calibration_data, extended, tmp_p
     )
     manifest = json.loads((out / "surgery" / "manifest.json").read_text())
     assert manifest["tasks"]["math"]["metrics"]["rho_l1"] > 0
+
+
+def _padded(config: dict) -> dict:
+    """The merge builds a union tokenizer and pads its embedding rows to a multiple of 64."""
+    config["tokenizer"] = {"source": "union", "pad_to_multiple_of": 64}
+    return config
+
+
+@pytest.mark.parametrize("target_vocab", ["exact", "prefix"])
+def test_padded_merged_vocabulary_calibrates(tiny_family, calibration_data, tmp_path, target_vocab):
+    """mergekit pads 65 token rows to 128; every token keeps its id, so l1/ewl1 calibrate."""
+    config = _padded(merge_config(tiny_family, calibration_data))
+    config["surgery"]["target_vocab"] = target_vocab
+    config["surgery"]["tasks"][1]["loss"] = "l1"
+    out = tmp_path / "out"
+    merge_with_surgery(
+        inspect.unwrap(mergekit.merge.run_merge),
+        MergeConfiguration.model_validate(config),
+        str(out),
+        MergeOptions(quiet=True),
+        yaml.safe_dump(config, sort_keys=False),
+    )
+    rows = len(build_tokenizer())
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == -(-rows // 64) * 64 > rows
+    manifest = json.loads((out / "surgery" / "manifest.json").read_text())
+    assert manifest["vocab_size"] == 128
+    for name in ("math", "code"):
+        assert manifest["tasks"][name]["metrics"]["rho_l1"] > 0
+
+
+def test_padded_merge_refuses_kl_before_merging(tiny_family, calibration_data, tmp_path):
+    config = _padded(merge_config(tiny_family, calibration_data))
+    config["surgery"]["tasks"][0]["loss"] = "kl"
+    message = refuse(config, tmp_path / "out")
+    assert message.startswith("surgery.tasks[0].loss: kl compares"), message
+    assert "pad_to_multiple_of: 64" in message and "has 65" in message
+    assert "use loss l1 or ewl1" in message and "target_vocab" not in message
+
+
+def test_padded_rows_after_the_merge_follow_the_same_rules(tiny_family, extended, tmp_path):
+    """``check_targets`` against a padded merged folder: l1 accepted, ce refused, no false hint."""
+    padded = tmp_path / "padded"
+    shutil.copytree(tiny_family.math, padded)
+    model = AutoModelForCausalLM.from_pretrained(padded)
+    model.resize_token_embeddings(128)
+    model.save_pretrained(padded)
+
+    def check(loss: str, target, target_vocab: str = "exact") -> None:
+        block = {
+            "target_vocab": target_vocab,
+            "tasks": [
+                {"name": "t", "target": str(target), "loss": loss, "calibration": {"path": "x.txt"}}
+            ],
+        }
+        config = parse_surgery(block)
+        check_targets(
+            resolve_tasks(config),
+            str(padded),
+            "merged model",
+            trust_remote_code=False,
+            target_vocab=config.target_vocab,
+        )
+
+    check("l1", tiny_family.code)
+    check("ewl1", tiny_family.code, "prefix")
+    with pytest.raises(SurgeryConfigError) as info:
+        check("ce", tiny_family.code)
+    message = str(info.value)
+    assert "has vocab_size 65, the merged model has 128" in message
+    assert "loss ce" in message and "target_vocab: prefix" not in message.split("(with")[0]
+    # a target that appends a token to a padded merge: the hint names prefix, which then accepts it
+    with pytest.raises(SurgeryConfigError, match="adds tokens: set surgery.target_vocab: prefix"):
+        check("l1", extended / "math_plus")
+    check("l1", extended / "math_plus", "prefix")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
@@ -27,6 +27,31 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
     )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+
+
+def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on the tiny prompts' words.
+
+    For ``model_type: qwen2`` test models: transformers 5 rebuilds every qwen2 tokenizer as
+    ``Qwen2Tokenizer`` (byte-level BPE from vocab + merges), which mangles the word-level one.
+    """
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator([" ".join(WORDS), *PROMPTS], trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token="<s>",

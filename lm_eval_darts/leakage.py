@@ -1,0 +1,139 @@
+"""Calibration leakage: lm-eval requests that contain the calibration prompts of their module.
+
+The paper keeps calibration and evaluation disjoint (its Table 7); a module scored on the prompts
+it was fitted to is not held out. ``hf-darts`` checks every request against the token ids the
+surgery run stored in ``surgery/diagnostics/<task>.safetensors``, the way lm-eval's
+decontamination does (n-gram overlap, n = 13): a request overlaps when it contains 13 consecutive
+tokens of a calibration sequence, or a whole calibration sequence shorter than that. Special
+tokens (BOS, padding) are dropped on both sides, because calibration and lm-eval add them
+differently. Each distinct context is encoded and scanned once (multiple-choice documents share
+one across their choices), so the check costs about one tokenizer pass per document and a set
+lookup per token (measured in the README).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from lm_eval.api.instance import Instance
+from safetensors import safe_open
+
+from mergekit_darts.artifacts import read_manifest
+
+NGRAM = 13  # lm-eval's decontamination n-gram length
+log = logging.getLogger(__name__)
+
+
+class CalibrationGrams:
+    """The n-grams of one module's calibration sequences (whole sequences when shorter than n)."""
+
+    def __init__(self, sequences: Iterable[Sequence[int]], n: int = NGRAM) -> None:
+        self._grams: dict[int, set[tuple[int, ...]]] = defaultdict(set)
+        for seq in sequences:
+            size = min(n, len(seq))
+            if size:
+                self._grams[size].update(
+                    tuple(seq[i : i + size]) for i in range(len(seq) - size + 1)
+                )
+
+    def found_in(self, ids: Sequence[int]) -> bool:
+        """Whether ``ids`` contains one of the n-grams."""
+        return any(
+            tuple(ids[i : i + size]) in grams
+            for size, grams in self._grams.items()
+            for i in range(len(ids) - size + 1)
+        )
+
+
+def calibration_sequences(path: Path, drop: set[int]) -> list[list[int]]:
+    """Each stored calibration sequence's real token ids, without ``drop`` (special tokens)."""
+    with safe_open(path, framework="pt") as file:
+        ids, mask = file.get_tensor("input_ids"), file.get_tensor("mask").bool()
+    return [
+        [t for t in row[keep].tolist() if t not in drop]
+        for row, keep in zip(ids, mask, strict=True)
+    ]
+
+
+def _pair(request: Instance) -> tuple[str, str]:
+    """(context, continuation) of any request type; generation and rolling have no continuation."""
+    args = request.args
+    text = args[0] if args and isinstance(args[0], str) else ""
+    more = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
+    return text, more
+
+
+class LeakageCheck:
+    """Per lm-eval task: how many requests contain calibration prompts of the module serving it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.counts: dict[str, int] = {}  # lm-eval task -> overlapping requests
+        self.seconds = 0.0  # time spent checking, for the record
+        self._special = set(tokenizer.all_special_ids)
+        self._grams: dict[tuple[Path, str], CalibrationGrams | None] = {}
+
+    def check(
+        self, requests: list[Instance], folder: Path, module_of: Callable[[str], str | None]
+    ) -> None:
+        """Count and warn (once per task) for ``requests``; ``module_of`` names each task's module."""
+        started = time.perf_counter()
+        by_task: dict[str, list[Instance]] = defaultdict(list)
+        for request in requests:
+            if request.task_name:
+                by_task[request.task_name].append(request)
+        for task, group in by_task.items():
+            module = module_of(task)
+            grams = self._load(folder, module) if module else None
+            if grams is None:
+                continue
+            pairs = [_pair(request) for request in group]
+            encoded = self._encode({text for pair in pairs for text in pair if text})
+            seen: dict[str, bool] = {}  # a context is shared by every choice of its document
+            found = 0
+            for context, continuation in pairs:
+                head = encoded.get(context, [])
+                if context not in seen:
+                    seen[context] = grams.found_in(head)
+                # windows across the join: the context's last n - 1 tokens and the continuation
+                found += seen[context] or bool(
+                    continuation and grams.found_in(head[1 - NGRAM :] + encoded[continuation])
+                )
+            if found and not self.counts.get(task):
+                log.warning(
+                    "hf-darts: %d of %d requests of lm-eval task %s contain calibration prompts "
+                    "of surgery module %r (%d-token overlap); calibration and evaluation should "
+                    "be disjoint (paper, Table 7), so this score is not held out",
+                    found,
+                    len(group),
+                    task,
+                    module,
+                    NGRAM,
+                )
+            self.counts[task] = self.counts.get(task, 0) + found
+        self.seconds += time.perf_counter() - started
+
+    def _encode(self, texts: set[str]) -> dict[str, list[int]]:
+        distinct = sorted(texts)
+        encoded = self.tokenizer(distinct, add_special_tokens=False)["input_ids"]
+        return {
+            text: [t for t in ids if t not in self._special]
+            for text, ids in zip(distinct, encoded, strict=True)
+        }
+
+    def _load(self, folder: Path, module: str) -> CalibrationGrams | None:
+        key = (folder, module)
+        if key not in self._grams:
+            entry = read_manifest(folder)["tasks"].get(module, {})
+            path = folder / entry["diagnostics"] if entry.get("diagnostics") else None
+            if path is None or not path.is_file():
+                log.info("hf-darts: no calibration diagnostics for %r: leakage not checked", module)
+                self._grams[key] = None
+            else:
+                self._grams[key] = CalibrationGrams(calibration_sequences(path, self._special))
+        return self._grams[key]
