@@ -574,11 +574,12 @@ def _check_vocab(
     key, target, ref = f"{task.key}.target", task.target, reference_label
     sizes = f"{target} has vocab_size {shape.vocab_size}, the {ref} has {ref_shape.vocab_size}"
     if task.needs_logits and shape.vocab_size != ref_shape.vocab_size:
+        losses = sorted({c.loss for c in task.candidates()} & set(LOGIT_LOSSES))
+        why = f"loss {'/'.join(losses)}" if losses else f"select metric {task.select.metric}"
         raise SurgeryConfigError(
-            f"{key}: {sizes}; loss kl/ce and select metrics agreement/kl compare the two "
-            "models' distributions over one vocabulary and need equal sizes; use loss l1 or ewl1 "
-            "(select metric rho_l1), which accept padded embedding rows and (with "
-            "surgery.target_vocab: prefix) appended tokens"
+            f"{key}: {sizes}; {why} compares the two models' distributions over one vocabulary "
+            "and needs equal sizes; use loss l1 or ewl1 (and select metric rho_l1), which accept "
+            "padded embedding rows and (with surgery.target_vocab: prefix) appended tokens"
         )
     prefix = target_vocab == "prefix" and not task.needs_logits
     if tokens is None or ref_vocab is None:

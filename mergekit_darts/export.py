@@ -294,7 +294,7 @@ def model_card(source: _Source, task: str, name: str) -> str:
         "tags": [*TAGS, "mergekit", "merge"],
         **({"base_model": hub_models} if hub_models else {}),
     }
-    rho = entry["metrics"]["rho_l1"]
+    rho = entry.get("metrics", {}).get("rho_l1")  # absent in hand-made surgery folders
     eval_tasks = entry.get("eval_tasks") or []
     lm_eval_tasks = ",".join(eval_tasks) or "TASKS"
     lines = [
@@ -311,7 +311,7 @@ def model_card(source: _Source, task: str, name: str) -> str:
         "| task | target | lm-eval tasks | module | loss | rank | max positions | ρ_L1 |",
         "|---|---|---|---|---|---|---|---|",
         f"| `{task}` | `{entry.get('target', '')}` | {', '.join(eval_tasks)} | {entry['module']} | "
-        f"{entry.get('loss', '')} | {entry['rank']} | {entry['max_positions']} | {rho:.3f} |",
+        f"{entry.get('loss', '')} | {entry['rank']} | {entry['max_positions']} | {'—' if rho is None else f'{rho:.3f}'} |",
         "",
         RHO_L1_NOTE,
         "",
