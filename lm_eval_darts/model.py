@@ -190,7 +190,6 @@ class DartsHFLM(HFLM):
         plan = SurgeryPlan.resolve(surgery, surgery_map, surgery_path, *self._source)
         super().__init__(pretrained=pretrained, **kwargs)
         self._handle: SurgeryHandle | None = None
-        self._leakage = LeakageCheck(self.tokenizer)
         self._use(plan)
 
     def set_surgery(
@@ -208,6 +207,8 @@ class DartsHFLM(HFLM):
 
     def _use(self, plan: SurgeryPlan) -> None:
         self.surgery = plan
+        # counts belong to one set of modules: a sweep cell must not report the previous cell's
+        self._leakage = LeakageCheck(self.tokenizer)
         if plan.mode == NONE:
             if self._handle is not None:
                 self._handle.module = None  # the hooks stay, inert: exactly hf's numbers

@@ -175,7 +175,9 @@ def test_set_surgery_swaps_modules_without_reloading(
         torch.testing.assert_close(
             lm._model_call(torch.tensor([ids]))[0].double(), ref, atol=1e-4, rtol=0
         )
+    lm._leakage.counts["earlier_cell"] = 3
     lm.set_surgery("none")
+    assert lm._leakage.counts == {}  # each set of modules reports its own calibration overlap
     torch.testing.assert_close(lm._model_call(torch.tensor([ids]))[0].double(), uncorrected)
     with pytest.raises(SurgeryFormatError, match="no surgery manifest"):
         lm.set_surgery("auto", str(tmp_path))
