@@ -86,18 +86,23 @@ def merge_config(family, data: Path) -> dict:
     }
 
 
+def merge(config: dict, out: Path) -> dict:
+    """Run the hook's merge path (real mergekit, then the surgery); returns the manifest."""
+    merge_with_surgery(
+        inspect.unwrap(mergekit.merge.run_merge),
+        MergeConfiguration.model_validate(config),
+        str(out),
+        MergeOptions(quiet=True),
+        yaml.safe_dump(config, sort_keys=False),
+    )
+    return json.loads((out / "surgery" / "manifest.json").read_text())
+
+
 def refuse(config: dict, out: Path) -> str:
     """Run the hook's merge path with the real mergekit; it must fail before writing anything."""
-    stock = inspect.unwrap(mergekit.merge.run_merge)
     before = sorted(p.name for p in out.iterdir()) if out.exists() else None
     with pytest.raises(SurgeryConfigError) as info:
-        merge_with_surgery(
-            stock,
-            MergeConfiguration.model_validate(config),
-            str(out),
-            MergeOptions(quiet=True),
-            yaml.safe_dump(config, sort_keys=False),
-        )
+        merge(config, out)
     after = sorted(p.name for p in out.iterdir()) if out.exists() else None
     assert after == before, "a refused surgery block must leave the output folder untouched"
     message = str(info.value)

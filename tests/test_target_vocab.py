@@ -4,21 +4,15 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
 
-import mergekit.merge
 import pytest
-import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
-from test_config import merge_config, refuse
+from test_config import merge, merge_config, refuse
 from tiny import build_tokenizer, save_model
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts.config import SurgeryConfigError, check_targets, parse_surgery, resolve_tasks
-from mergekit_darts.hook import merge_with_surgery
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +63,7 @@ def test_prefix_target_calibrates(tiny_family, calibration_data, extended, tmp_p
         merge_config(tiny_family, calibration_data), extended / "math_plus", target_vocab="prefix"
     )
     out = tmp_path / "out"
-    merge_with_surgery(
-        inspect.unwrap(mergekit.merge.run_merge),
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True),
-        yaml.safe_dump(config, sort_keys=False),
-    )
-    manifest = json.loads((out / "surgery" / "manifest.json").read_text())
+    manifest = merge(config, out)
     assert manifest["tasks"]["math"]["metrics"]["rho_l1"] > 0
 
 
@@ -93,16 +80,9 @@ def test_padded_merged_vocabulary_calibrates(tiny_family, calibration_data, tmp_
     config["surgery"]["target_vocab"] = target_vocab
     config["surgery"]["tasks"][1]["loss"] = "l1"
     out = tmp_path / "out"
-    merge_with_surgery(
-        inspect.unwrap(mergekit.merge.run_merge),
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True),
-        yaml.safe_dump(config, sort_keys=False),
-    )
+    manifest = merge(config, out)
     rows = len(build_tokenizer())
     assert json.loads((out / "config.json").read_text())["vocab_size"] == -(-rows // 64) * 64 > rows
-    manifest = json.loads((out / "surgery" / "manifest.json").read_text())
     assert manifest["vocab_size"] == 128
     for name in ("math", "code"):
         assert manifest["tasks"][name]["metrics"]["rho_l1"] > 0

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 
-import mergekit.merge
 import torch
-import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
 from safetensors import safe_open
+from test_config import merge
 from tiny import PROMPTS, build_bpe_tokenizer, build_tokenizer
 from transformers import (
     AutoModelForCausalLM,
@@ -23,7 +18,6 @@ from transformers import (
 )
 
 from mergekit_darts.config import check_targets, parse_surgery, resolve_tasks
-from mergekit_darts.hook import merge_with_surgery
 
 
 def qwen2(folder, tokenizer):
@@ -112,13 +106,6 @@ def test_gpt_neox_merge_with_surgery(calibration_data, tmp_path):
         },
     }
     out = tmp_path / "out"
-    merge_with_surgery(
-        inspect.unwrap(mergekit.merge.run_merge),
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True),
-        yaml.safe_dump(config, sort_keys=False),
-    )
+    manifest = merge(config, out)
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "gpt_neox"
-    manifest = json.loads((out / "surgery" / "manifest.json").read_text())
     assert manifest["tasks"]["expert"]["metrics"]["rho_l1"] > 0
