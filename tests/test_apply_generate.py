@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny import random_module
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import SurgeryHandle, SurgeryModule, apply_surgery, build_module
@@ -19,11 +20,7 @@ STEPS = 8
 def setup(tiny_family: Any) -> Iterator[tuple[Any, Any, SurgeryModule, SurgeryHandle]]:
     model = AutoModelForCausalLM.from_pretrained(tiny_family.base, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_family.base, padding_side="left")
-    module = build_module("pos_corr", model.config.hidden_size, 4, MAX_POSITIONS, seed=0)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    module = random_module("pos_corr", model.config.hidden_size, 4, MAX_POSITIONS, seed=0)
     handle = apply_surgery(model, module)
     yield model, tokenizer, module, handle
     handle.remove()

@@ -24,9 +24,10 @@ import transformers
 import transformers.dynamic_module_utils
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from tiny import random_module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from mergekit_darts import apply_surgery, build_module
+from mergekit_darts import apply_surgery
 from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.cli import main
 from mergekit_darts.export import MODELING_FILE, export
@@ -49,11 +50,7 @@ def write_random_surgery(folder: Path, hidden_size: int, kinds: tuple[str, ...])
     """``folder/surgery`` with one task per module kind, every weight random and non-zero."""
     modules, tasks = {}, {}
     for seed, kind in enumerate(kinds, start=1):
-        module = build_module(kind, hidden_size, RANK, MAX_POSITIONS, seed=seed)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param in module.parameters():
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+        module = random_module(kind, hidden_size, RANK, MAX_POSITIONS, seed)
         modules[kind] = module
         tasks[kind] = {
             "module": kind,

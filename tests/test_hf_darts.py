@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tiny
 import torch
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
@@ -24,7 +25,7 @@ from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM
 
 from lm_eval_darts.model import DartsHFLM, parse_surgery_map
-from mergekit_darts import SurgeryModule, build_module
+from mergekit_darts import SurgeryModule
 from mergekit_darts.artifacts import SurgeryFormatError, write_surgery_folder
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
@@ -36,12 +37,7 @@ NO_HOOK = {"DARTS_NO_HOOK": "1"}
 
 def random_module(seed: int) -> SurgeryModule:
     """A pos_corr module with every weight random and non-zero, so the correction is visible."""
-    module = build_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-    return module.eval()
+    return tiny.random_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed)
 
 
 def write_surgery(folder: Path, eval_tasks: dict[str, list[str]], vocab_size: int) -> Path:

@@ -12,12 +12,25 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from mergekit_darts.modules import SurgeryModule, build_module
+
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
 WORDS = (
     "the a one two three four five six seven eight nine zero plus minus times is = ( ) : , . ? "
     "def return add sub mul x y z n k l question answer repeat reverse last word cat dog red blue "
     "green sun moon tree river stone fire water is not and or if then else for in print"
 ).split()
+
+
+def _wrap(core: Tokenizer) -> PreTrainedTokenizerFast:
+    """The transformers tokenizer around ``core``, with the family's special tokens."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -27,13 +40,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
+    return _wrap(core)
 
 
 def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
@@ -52,13 +59,19 @@ def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     core.train_from_iterator([" ".join(WORDS), *PROMPTS], trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
+    return _wrap(core)
+
+
+def random_module(
+    kind: str, hidden_size: int, rank: int, max_positions: int, seed: int
+) -> SurgeryModule:
+    """A surgery module with every weight random and non-zero, so the correction is visible."""
+    module = build_module(kind, hidden_size, rank, max_positions, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    return module.eval()
 
 
 def tiny_config(vocab_size: int, hidden_size: int = 64, **overrides) -> LlamaConfig:

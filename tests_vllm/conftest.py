@@ -24,11 +24,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default 
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report over the network
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+import tiny  # noqa: E402
 import torch  # noqa: E402
 from tiny import build_tokenizer, save_model  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from mergekit_darts import SurgeryModule, build_module  # noqa: E402
+from mergekit_darts import SurgeryModule  # noqa: E402
 from mergekit_darts.artifacts import write_surgery_folder  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -53,12 +54,7 @@ class Exported:
 
 def random_module(seed: int) -> SurgeryModule:
     """A pos_corr module with every weight random and non-zero, so the correction is visible."""
-    module = build_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-    return module.eval()
+    return tiny.random_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed)
 
 
 @pytest.fixture(scope="session")
