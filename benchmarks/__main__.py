@@ -12,8 +12,8 @@ import argparse
 import sys
 from dataclasses import replace
 
-from .fixtures import ModelSpec
-from .settings import DEFAULT_STARTUP, SECTIONS, BenchSettings
+from benchmarks.fixtures import ModelSpec
+from benchmarks.settings import DEFAULT_STARTUP, SECTIONS, BenchSettings
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_args(argv)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from . import report
-    from .runner import count_steps, run_all
+    from benchmarks import report
+    from benchmarks.runner import count_steps, run_all
 
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=not settings.progress, transient=True) as progress:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .fixtures import model_file_bytes
-from .measure import PeakTracker, alternate, clock, cuda_sync, paired_ratio
+from benchmarks.fixtures import model_file_bytes
+from benchmarks.measure import PeakTracker, alternate, clock, cuda_sync, paired_ratio
 
 CACHE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -53,28 +52,6 @@ def cache_bytes(n: int, width: int, hidden: int, cache_dtype: str = "bfloat16") 
 # ---- the real pipeline, one task -----------------------------------------------------------------
 
 
-@contextmanager
-def _instrumented(pipeline: Any, tracker: PeakTracker) -> Iterator[None]:
-    """Wrap the pipeline's phases (those it still has) so each gets its own peak; undo after."""
-    originals = {}
-    for name in ("_target_phase", "_merged_phase", "_train_phase"):
-        original = getattr(pipeline, name, None)
-        if original is None:
-            continue
-        originals[name] = original
-
-        def wrapped(*args: Any, _original: Callable = original, _name: str = name, **kw: Any):
-            with tracker.phase(_name.strip("_").removesuffix("_phase")):
-                return _original(*args, **kw)
-
-        setattr(pipeline, name, wrapped)
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(pipeline, name, original)
-
-
 def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str, Any]:
     """Run ``run_surgery`` for one task and return Table 8's rows for it."""
     quiet()
@@ -82,18 +59,17 @@ def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str,
 
     from safetensors.torch import load_file
 
-    from mergekit_darts import pipeline
+    from mergekit_darts import run_surgery
 
     warm_imports()
     task = block["tasks"][0]["name"]
     tracker = PeakTracker(cuda=device.startswith("cuda"))
-    with _instrumented(pipeline, tracker):
-        started, cpu_started = time.perf_counter(), time.process_time()
-        manifest = pipeline.run_surgery(
-            merged, block, overwrite=True, progress=False, write_card=False
-        )
-        wall = time.perf_counter() - started
-        cpu = time.process_time() - cpu_started
+    started, cpu_started = time.perf_counter(), time.process_time()
+    manifest = run_surgery(
+        merged, block, overwrite=True, progress=False, write_card=False, on_phase=tracker.phase
+    )
+    wall = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started
     memory = tracker.finish()
     entry = manifest["tasks"][task]
     folder = Path(merged) / "surgery"
@@ -141,7 +117,7 @@ def phase_naive(
     quiet()
     import torch
 
-    from mergekit_darts.capture import capture
+    from mergekit_darts.calibrate.capture import capture
 
     warm_imports()
     device = settings["device"]
@@ -168,7 +144,7 @@ def phase_capture_memory(
     quiet()
     import torch
 
-    from mergekit_darts.capture import capture
+    from mergekit_darts.calibrate.capture import capture
 
     warm_imports()
     model = load(path, device)
@@ -194,7 +170,7 @@ def bare_passes(models: tuple[Any, ...], sequences: list[list[int]], batch_size:
     """The floor for precompute: each model's plain forward over the same padded batches."""
     import torch
 
-    from mergekit_darts.capture import input_device, pad_batch
+    from mergekit_darts.calibrate.capture import input_device, pad_batch
 
     with torch.no_grad():
         for model in models:
@@ -213,7 +189,7 @@ def bare_adam_loop(module: Any, merged: Any, target: Any, steps: int, batch_size
     import torch
 
     from mergekit_darts import losses
-    from mergekit_darts.train import _epoch_batches, positions_of
+    from mergekit_darts.calibrate.train import _epoch_batches, positions_of
 
     device = merged.hidden.device
     module = module.to(device=device, dtype=torch.float32).train()
@@ -251,8 +227,8 @@ def phase_time_baselines(
     import torch
 
     from mergekit_darts import build_module
-    from mergekit_darts.capture import capture
-    from mergekit_darts.train import TrainSettings, evaluate, train_surgery
+    from mergekit_darts.calibrate.capture import capture
+    from mergekit_darts.calibrate.train import TrainSettings, evaluate, train_surgery
 
     device, batch, repeats = settings["device"], settings["batch_size"], settings["repeats"]
     steps, pad = settings["steps"], settings["pad_id"]
@@ -355,10 +331,9 @@ def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) ->
     """Table 8 for each module kind, the memory comparisons, and the time baselines."""
     from transformers import AutoTokenizer
 
-    from mergekit_darts.data import tokenize_prompts
-
-    from .fixtures import calibration_texts, surgery_block, write_jsonl
-    from .measure import run_isolated
+    from benchmarks.fixtures import calibration_texts, surgery_block, write_jsonl
+    from benchmarks.measure import run_isolated
+    from mergekit_darts.calibrate.data import tokenize_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(pair.merged)
     texts = calibration_texts(tokenizer, settings.n, settings.max_length)

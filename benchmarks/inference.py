@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .calibration import ratio
-from .fixtures import build_pair, random_texts
-from .measure import alternate, clock, cuda_sync, paired_ratio
+from benchmarks.calibration import ratio
+from benchmarks.fixtures import build_pair, random_texts
+from benchmarks.measure import alternate, clock, cuda_sync, paired_ratio
 
 TASK = "bench"
 
@@ -251,7 +251,7 @@ def measure_point(merged: str, surgery: Path, settings: Any) -> dict[str, Any]:
 
 def run(settings: Any, root: Path, tick: Callable[[str], None]) -> dict[str, Any]:
     """Every hidden size in ``settings.inference_hidden``; the 0.97 target applies from H = 512."""
-    from .settings import with_model
+    from benchmarks.settings import with_model
 
     points = []
     ratios: dict[str, Any] = {}

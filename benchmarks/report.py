@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .measure import MiB
+from benchmarks.measure import MiB
 
 # Paper appendix B, Table 8 (one A100-80GB, Llama-2-7B, N=50, T_max=512, rank 16, 500 steps).
 PAPER_TABLE8 = {
@@ -372,7 +372,7 @@ def notes(results: dict[str, Any]) -> list[str]:
 
 def _entropy_chunk() -> int:
     """Positions per entropy call in capture (whole rows before that constant existed)."""
-    from mergekit_darts import capture
+    from mergekit_darts.calibrate import capture
 
     return getattr(capture, "ENTROPY_CHUNK", 512)
 

@@ -11,10 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import calibration, inference, scaling, startup, store
-from .fixtures import Pair, build_pair
-from .measure import apply_threads, choose_clock, choose_threads, loadavg, machine_info
-from .settings import BenchSettings
+from benchmarks import calibration, inference, scaling, startup, store
+from benchmarks.fixtures import Pair, build_pair
+from benchmarks.measure import apply_threads, choose_clock, choose_threads, loadavg, machine_info
+from benchmarks.settings import BenchSettings
 
 
 def count_steps(settings: BenchSettings) -> int:

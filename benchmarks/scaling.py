@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .fixtures import build_pair, calibration_texts
+from benchmarks.fixtures import build_pair, calibration_texts
 
 AXES = ("rank", "N", "T", "H")  # rank first: its points all share one precompute
 
@@ -36,8 +36,8 @@ class _Models:
         if hidden not in self.loaded:
             from transformers import AutoTokenizer
 
-            from .calibration import load
-            from .settings import with_model
+            from benchmarks.calibration import load
+            from benchmarks.settings import with_model
 
             for key in list(self.loaded):  # one pair in memory at a time
                 del self.loaded[key]
@@ -55,10 +55,9 @@ class _Models:
 def _precompute(models: _Models, n: int, t: int, hidden: int) -> tuple[Any, Any, float, int]:
     import torch
 
-    from mergekit_darts.capture import capture
-    from mergekit_darts.data import tokenize_prompts
-
-    from .measure import clock, cuda_sync
+    from benchmarks.measure import clock, cuda_sync
+    from mergekit_darts.calibrate.capture import capture
+    from mergekit_darts.calibrate.data import tokenize_prompts
 
     now = clock()
     merged, target, tokenizer = models.get(hidden)
@@ -83,10 +82,9 @@ def _precompute(models: _Models, n: int, t: int, hidden: int) -> tuple[Any, Any,
 
 def _train(merged_cap: Any, target_cap: Any, rank: int, settings: Any) -> tuple[float, int]:
     """Seconds per training step (the final evaluation timed separately and taken off)."""
+    from benchmarks.measure import clock
     from mergekit_darts import build_module
-    from mergekit_darts.train import TrainSettings, evaluate, train_surgery
-
-    from .measure import clock
+    from mergekit_darts.calibrate.train import TrainSettings, evaluate, train_surgery
 
     now = clock()
     hidden = merged_cap.hidden.shape[-1]

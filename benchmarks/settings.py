@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .fixtures import ModelSpec
+from benchmarks.fixtures import ModelSpec
 
 SECTIONS = ("calibration", "store", "inference", "startup", "scaling")
 DEFAULT_STARTUP = {

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .calibration import ratio
+from benchmarks.calibration import ratio
 
 TARGET_MS = 20.0
 

@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .calibration import load, ratio
-from .measure import alternate, cuda_sync, paired_ratio
+from benchmarks.calibration import load, ratio
+from benchmarks.measure import alternate, cuda_sync, paired_ratio
 
 GRID = {"module": ["standard", "pos_corr"], "loss": ["l1", "ewl1"], "seed": [0, 1]}
 TARGET_RATIO = 1.2
@@ -83,12 +83,12 @@ def sweep_overhead(settings: Any, merged: str, target: str, calib: str, workdir:
     import torch
     from transformers import AutoTokenizer
 
-    from mergekit_darts import sweep
-    from mergekit_darts.capture import capture
-    from mergekit_darts.data import tokenize_prompts
-    from mergekit_darts.modules import build_module
-    from mergekit_darts.store import CaptureStore, pad_id
-    from mergekit_darts.train import TrainSettings, train_surgery
+    from mergekit_darts.analysis import sweep
+    from mergekit_darts.calibrate.capture import capture
+    from mergekit_darts.calibrate.data import tokenize_prompts
+    from mergekit_darts.calibrate.store import CaptureStore, pad_id
+    from mergekit_darts.calibrate.train import TrainSettings, train_surgery
+    from mergekit_darts.core.modules import build_module
 
     base = _block(settings, [target], calib)
     cells = sweep.cells(GRID)
@@ -146,7 +146,7 @@ def sweep_overhead(settings: Any, merged: str, target: str, calib: str, workdir:
 
 def demo_block_loads(settings: Any, merged: str, targets: list[str], calib: str) -> dict:
     """15 tasks over 3 targets, the demo's shape: 5 variants per target, 2 with completions."""
-    from mergekit_darts.pipeline import run_surgery
+    from mergekit_darts.integrations.post_merge import run_surgery
 
     variants = [
         {"module": "standard", "loss": "l1"},
@@ -180,8 +180,8 @@ def grid_loads(settings: Any, pair: Any, targets: list[str], calib: str, workdir
     """The captures of a 3-merge grid with 2 cells each: K targets + M merges loads."""
     import yaml
 
-    from mergekit_darts import sweep
-    from mergekit_darts.store import CaptureStore
+    from mergekit_darts.analysis import sweep
+    from mergekit_darts.calibrate.store import CaptureStore
 
     # targets[1] is a copy of targets[0]: weights 0.3 keep every merge away from the target
     models = [{"model": t, "parameters": {"weight": 0.3, "density": 0.5}} for t in targets[:2]]
@@ -230,8 +230,8 @@ def grid_loads(settings: Any, pair: Any, targets: list[str], calib: str, workdir
 def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from .calibration import shadow_model
-    from .fixtures import calibration_texts, write_jsonl
+    from benchmarks.calibration import shadow_model
+    from benchmarks.fixtures import calibration_texts, write_jsonl
 
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(pair.merged)

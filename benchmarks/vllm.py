@@ -20,17 +20,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .fixtures import ModelSpec, build_pair
-from .inference import TASK, _generated_tokens, _requests, write_random_surgery
-from .measure import alternate, machine_info, paired_ratio
-from .settings import BenchSettings
+from benchmarks.fixtures import ModelSpec, build_pair
+from benchmarks.inference import TASK, _generated_tokens, _requests, write_random_surgery
+from benchmarks.measure import alternate, machine_info, paired_ratio
+from benchmarks.settings import BenchSettings
 
 
 def measure(settings: BenchSettings, root: Path, vllm_args: dict[str, Any]) -> dict[str, Any]:
     from lm_eval.models.vllm_causallms import VLLM
 
     from lm_eval_darts.model import DartsHFLM
-    from mergekit_darts.export import export
+    from mergekit_darts.deploy.export import export
 
     spec = settings.model
     pair = build_pair(root, spec)

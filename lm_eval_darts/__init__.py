@@ -6,6 +6,6 @@ pulls in torch and lm-eval's HF backend). The startup hook registers it with the
 without the hook (``DARTS_NO_HOOK=1``), call :func:`register` before ``simple_evaluate``.
 """
 
-from .hook import register
+from lm_eval_darts.hook import register
 
 __all__ = ["register"]

@@ -6,7 +6,7 @@ It parses nothing itself: flags, subcommands and help are lm-eval's own.
 
 from __future__ import annotations
 
-from .hook import register
+from lm_eval_darts.hook import register
 
 
 def main() -> None:

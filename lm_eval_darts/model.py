@@ -11,7 +11,6 @@ each call is split by module and HFLM runs once per group with that module activ
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,73 +21,18 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import CacheHook
 from lm_eval.models.huggingface import HFLM
 
+from lm_eval_darts.hook import register
+from lm_eval_darts.leakage import LeakageCheck
 from mergekit_darts.apply import SurgeryHandle
-from mergekit_darts.artifacts import SurgeryFormatError, load_surgery, read_manifest, resolve_task
-from mergekit_darts.modules import SurgeryModule
-
-from .hook import register
-from .leakage import LeakageCheck
+from mergekit_darts.artifacts import load_surgery, read_manifest, resolve_task
+from mergekit_darts.core.modules import SurgeryModule
+from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.routing import AUTO, NONE, manifest_routes, parse_surgery_map, route
 
 eval_logger = logging.getLogger(__name__)
 
-NONE = "none"
-AUTO = "auto"
 _NOT_GIVEN: Any = object()  # the CLI turns `surgery=none` into "none", simple_evaluate into None
 R = TypeVar("R")
-
-
-def parse_surgery_map(value: str | Mapping[str, Any]) -> dict[str, str]:
-    """``"gsm8k:math;humaneval:code"`` (or a dict) -> {lm-eval task or glob: surgery task | "none"}.
-
-    Semicolons, because lm-eval splits ``--model_args`` on commas.
-    """
-    pairs: list[tuple[str, str]] = []
-    if isinstance(value, Mapping):
-        pairs = [(str(k).strip(), str(v).strip()) for k, v in value.items()]
-    else:
-        for entry in filter(None, (e.strip() for e in str(value).split(";"))):
-            task, sep, target = (part.strip() for part in entry.partition(":"))
-            if not (sep and task and target):
-                raise ValueError(
-                    f"bad surgery_map entry {entry!r}: expected <lm-eval task>:<surgery task> "
-                    f"pairs separated by ';', e.g. surgery_map=gsm8k:math;humaneval:code"
-                )
-            pairs.append((task, target))
-    mapping: dict[str, str] = {}
-    for task, target in pairs:
-        if mapping.get(task, target) != target:
-            raise ValueError(f"surgery_map maps {task!r} twice ({mapping[task]}, {target})")
-        mapping[task] = target
-    if not mapping:
-        raise ValueError("surgery_map is empty; e.g. surgery_map=gsm8k:math;humaneval:code")
-    return mapping
-
-
-def manifest_routes(manifest: Mapping[str, Any]) -> dict[str, str]:
-    """{lm-eval task: surgery task} from each manifest task's ``eval_tasks`` (default: its name)."""
-    routes: dict[str, str] = {}
-    for name, entry in manifest["tasks"].items():
-        for eval_task in entry.get("eval_tasks") or [name]:
-            if routes.get(eval_task, name) != name:
-                raise SurgeryFormatError(
-                    f"lm-eval task {eval_task!r} is served by surgery tasks {routes[eval_task]!r} "
-                    f"and {name!r}: pass surgery_map= to choose"
-                )
-            routes[eval_task] = name
-    return routes
-
-
-def route(routes: Mapping[str, str], task_name: str) -> str | None:
-    """The surgery task of one lm-eval task: an exact entry wins over glob patterns (``mmlu_*``)."""
-    if task_name in routes:
-        return routes[task_name]
-    hits = {target for pattern, target in routes.items() if fnmatch.fnmatchcase(task_name, pattern)}
-    if len(hits) > 1:
-        raise ValueError(
-            f"lm-eval task {task_name!r} matches patterns of several surgery tasks "
-            f"({', '.join(sorted(hits))}): add an exact surgery_map entry"
-        )
-    return hits.pop() if hits else None
 
 
 def default_surgery_path(pretrained: Any, subfolder: str, revision: str | None) -> Path:

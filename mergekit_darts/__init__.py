@@ -15,9 +15,9 @@ _EXPORTS = {
     "SurgeryHandle": "apply",
     "apply_surgery": "apply",
     "load_surgery": "artifacts",
-    "SurgeryModule": "modules",
-    "build_module": "modules",
-    "run_surgery": "pipeline",
+    "SurgeryModule": "core.modules",
+    "build_module": "core.modules",
+    "run_surgery": "integrations.post_merge",
 }
 
 __all__ = [
@@ -30,10 +30,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .apply import SurgeryHandle, apply_surgery
-    from .artifacts import load_surgery
-    from .modules import SurgeryModule, build_module
-    from .pipeline import run_surgery
+    from mergekit_darts.apply import SurgeryHandle, apply_surgery
+    from mergekit_darts.artifacts import load_surgery
+    from mergekit_darts.core.modules import SurgeryModule, build_module
+    from mergekit_darts.integrations.post_merge import run_surgery
 
 
 def __getattr__(name: str):

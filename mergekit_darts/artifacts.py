@@ -20,15 +20,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .modules import SurgeryModule, build_module
-
-FORMAT = "darts-surgery"
-VERSION = 1
-MANIFEST = "manifest.json"
-
-
-class SurgeryFormatError(ValueError):
-    """A surgery folder or file that cannot be used as it is."""
+from mergekit_darts.core.modules import SurgeryModule, build_module
+from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.manifest import FORMAT, MANIFEST, VERSION, module_file
 
 
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
@@ -139,7 +133,7 @@ def write_surgery_folder(
     os.chmod(staging, 0o777 & ~umask)
     try:
         for name, module in modules.items():
-            file = f"{name}.safetensors"
+            file = module_file(name)
             state = {
                 k: v.detach().to("cpu", torch.float32).contiguous()
                 for k, v in module.state_dict().items()

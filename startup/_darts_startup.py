@@ -12,8 +12,8 @@ import sys
 
 # watched module -> (module with an ``install(module)`` function) run after it finishes importing
 _PATCHES = {
-    "mergekit.merge": "mergekit_darts.hook",
-    "mergekit.scripts.multimerge": "mergekit_darts.multimerge",  # mergekit-multi
+    "mergekit.merge": "mergekit_darts.integrations.mergekit_hook",
+    "mergekit.scripts.multimerge": "mergekit_darts.integrations.multimerge",  # mergekit-multi
     "lm_eval.models": "lm_eval_darts.hook",
 }
 

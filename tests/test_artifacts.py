@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from mergekit_darts import build_module, load_surgery
-from mergekit_darts.artifacts import SurgeryFormatError, read_manifest, write_surgery_folder
+from mergekit_darts.artifacts import read_manifest, write_surgery_folder
+from mergekit_darts.errors import SurgeryFormatError
 
 H, R, T = 12, 3, 6
 

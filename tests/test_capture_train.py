@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import build_module
-from mergekit_darts.capture import capture
-from mergekit_darts.metrics import token_entropy
-from mergekit_darts.train import TrainSettings, positions_of, train_surgery
+from mergekit_darts.calibrate.capture import capture
+from mergekit_darts.calibrate.train import TrainSettings, positions_of, train_surgery
+from mergekit_darts.core.metrics import token_entropy
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,11 @@ from mergekit.options import MergeOptions
 from tiny import build_tokenizer, save_model, tiny_config
 from transformers import LlamaForCausalLM
 
-from mergekit_darts.config import (
-    SurgeryConfigError,
-    parse_surgery,
-    read_surgery_file,
-    resolve_tasks,
-)
-from mergekit_darts.data import load_prompts, tokenize_prompts
-from mergekit_darts.hook import merge_with_surgery
-from mergekit_darts.pipeline import prepare_surgery
+from mergekit_darts.calibrate.data import load_prompts, tokenize_prompts
+from mergekit_darts.calibrate.pipeline import prepare_surgery
+from mergekit_darts.config import parse_surgery, read_surgery_file, resolve_tasks
+from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -13,17 +13,16 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import load_surgery, run_surgery
-from mergekit_darts.capture import capture
-from mergekit_darts.config import SurgeryError
-from mergekit_darts.continuation import (
+from mergekit_darts.calibrate.capture import capture
+from mergekit_darts.calibrate.continuation import (
     completion_mask,
     continue_prompts,
     greedy_completions,
     left_pad,
     tokens_sha256,
 )
-from mergekit_darts.metrics import rho_l1
-from mergekit_darts.pipeline import SurgeryRunError
+from mergekit_darts.core.metrics import rho_l1
+from mergekit_darts.errors import SurgeryError, SurgeryRunError
 
 NEW_TOKENS = 10
 

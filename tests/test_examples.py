@@ -49,7 +49,7 @@ def test_heldout_tasks_drop_the_calibration_items():
 
 @pytest.mark.parametrize("name", ["sweep.yml", "grid.yml"])
 def test_sweep_examples_are_valid(name, monkeypatch, tmp_path):
-    from mergekit_darts import sweep
+    from mergekit_darts.analysis import sweep
 
     monkeypatch.chdir(EXAMPLES.parent)  # their paths resolve from the repository root
     spec = sweep.load_spec(EXAMPLES / name)

@@ -30,8 +30,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from mergekit_darts import apply_surgery
 from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.cli import main
-from mergekit_darts.export import MODELING_FILE, export
-from mergekit_darts.modules import MODULE_KINDS
+from mergekit_darts.core.modules import MODULE_KINDS
+from mergekit_darts.deploy.export import MODELING_FILE, export
 
 RANK, MAX_POSITIONS = 4, 8  # the test prompts run past 8 tokens: positions off the table too
 STEPS = 6
@@ -550,7 +550,7 @@ def test_hardlink_across_filesystems_is_refused(merged: Path) -> None:
 def test_a_failure_while_writing_leaves_nothing(
     merged: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mergekit_darts.export as module
+    import mergekit_darts.deploy.export as module
 
     def broken(*_args: Any) -> None:
         raise OSError("disk full")

@@ -21,11 +21,12 @@ from transformers import (
 )
 
 from mergekit_darts import build_module
-from mergekit_darts import head as head_module
-from mergekit_darts.capture import Captured, capture
-from mergekit_darts.head import HeadError, OutputHead
-from mergekit_darts.selection import held_out_metrics
-from mergekit_darts.train import TrainSettings, train_surgery
+from mergekit_darts.calibrate.capture import Captured, capture
+from mergekit_darts.calibrate.selection import held_out_metrics
+from mergekit_darts.calibrate.train import TrainSettings, train_surgery
+from mergekit_darts.core import head as head_module
+from mergekit_darts.core.head import OutputHead
+from mergekit_darts.errors import HeadError
 
 VOCAB, HIDDEN = 48, 32
 SEQUENCES = [[2, 5, 9, 11, 7, 30], [2, 17, 4], [2, 40, 41, 42, 43], [2, 8, 8, 8, 8, 8, 9]]

@@ -26,9 +26,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import load_surgery, run_surgery
-from mergekit_darts.config import SurgeryConfigError
-from mergekit_darts.hook import merge_with_surgery
-from mergekit_darts.pipeline import SurgeryRunError
+from mergekit_darts.errors import SurgeryConfigError, SurgeryRunError
+from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
 
 BIN = Path(sys.executable).parent
 

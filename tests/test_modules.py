@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mergekit_darts import build_module
-from mergekit_darts.modules import MODULE_KINDS
+from mergekit_darts.core.modules import MODULE_KINDS
 
 H, R, T_MAX = 16, 4, 8
 

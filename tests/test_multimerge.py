@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergekit_darts.multimerge import local_dir
+from mergekit_darts.integrations.multimerge import local_dir
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -10,15 +10,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from mergekit_darts import plots
-from mergekit_darts.pipeline import run_surgery
-from mergekit_darts.report import (
+from mergekit_darts.analysis import plots
+from mergekit_darts.analysis.report import (
     load_diagnostics,
     recompute,
     report_command,
     report_link_markdown,
     write_report,
 )
+from mergekit_darts.integrations.post_merge import run_surgery
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -12,8 +12,9 @@ import torch
 from tiny import build_tokenizer, tiny_config
 from transformers import GraniteConfig, GraniteForCausalLM
 
-from mergekit_darts import head, load_surgery, run_surgery
-from mergekit_darts.pipeline import SurgeryRunError
+from mergekit_darts import load_surgery, run_surgery
+from mergekit_darts.core import head
+from mergekit_darts.errors import SurgeryRunError
 
 CANDIDATES = [
     {"module": "standard", "loss": "l1"},
@@ -178,7 +179,7 @@ def test_printed_summary_shows_every_candidate_and_the_kept_one(selected):
 
     from rich.console import Console
 
-    from mergekit_darts.card import print_summary
+    from mergekit_darts.integrations.card import print_summary
 
     _, _, manifest = selected
     out = StringIO()

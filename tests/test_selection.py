@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mergekit_darts import build_module
-from mergekit_darts.capture import Captured
-from mergekit_darts.head import OutputHead
-from mergekit_darts.selection import choose, held_out_metrics, holdout_split
+from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.calibrate.selection import choose, held_out_metrics, holdout_split
+from mergekit_darts.core.head import OutputHead
 
 N, T, H, V = 11, 9, 6, 13
 

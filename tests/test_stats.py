@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from scipy import stats as sps
 
-from mergekit_darts import stats
+from mergekit_darts.analysis import stats
 
 # Paper Table 4: per-seed averages of DARTS and Standard surgery over 6 seeds.
 DARTS_AVG = [42.3, 42.2, 42.3, 43.3, 42.2, 43.0]

@@ -17,7 +17,7 @@ from tiny import save_model
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import run_surgery
-from mergekit_darts.store import CaptureStore, model_identity, sequences_sha256
+from mergekit_darts.calibrate.store import CaptureStore, model_identity, sequences_sha256
 
 
 @pytest.fixture
@@ -150,7 +150,7 @@ def test_corrupt_or_partial_entry_is_recomputed_never_used(family, loads, tmp_pa
 
 def test_entry_that_does_not_fit_its_sequences_is_a_miss(tmp_path):
     store = CaptureStore(tmp_path)
-    from mergekit_darts.capture import Captured
+    from mergekit_darts.calibrate.capture import Captured
 
     hidden = torch.ones(2, 3, 4)
     mask = torch.tensor([[True, True, True], [True, True, False]])
@@ -188,7 +188,7 @@ def test_calibrate_cache_dir_option_overrides_the_block(family, loads, tmp_path)
 
 
 def test_unwritable_cache_dir_is_refused_before_any_load(family, loads, tmp_path):
-    from mergekit_darts.config import SurgeryConfigError
+    from mergekit_darts.errors import SurgeryConfigError
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from mergekit_darts import sweep
-from mergekit_darts.config import SurgeryConfigError
+from mergekit_darts.analysis import sweep
+from mergekit_darts.errors import SurgeryConfigError
 
 EVAL_TASKS = ["sweep_a", "sweep_b"]
 ITEMS = [
@@ -191,7 +191,7 @@ def test_spec_errors_name_the_key(tmp_path, patch, message):
     path.write_text(yaml.safe_dump({**spec, **patch}))
     with pytest.raises(SurgeryConfigError) as err:
         sweep.load_spec(path)
-    assert str(err.value.message).startswith(message) and "\n" not in err.value.message
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
 def test_invalid_cell_is_reported_before_anything_runs(spec_file, tmp_path):
@@ -267,7 +267,7 @@ def two_task_spec(spec_file, tiny_family, tmp_path, **changes) -> Path:
 def test_four_cells_two_tasks_cost_four_loads_and_a_warm_store_loads_no_target(
     spec_file, tiny_family, tmp_path, loads
 ):
-    from mergekit_darts.store import CaptureStore
+    from mergekit_darts.calibrate.store import CaptureStore
 
     path = two_task_spec(spec_file, tiny_family, tmp_path)
     spec = sweep.load_spec(path)

@@ -12,7 +12,8 @@ from test_config import merge, merge_config, refuse
 from tiny import build_tokenizer, save_model
 from transformers import AutoModelForCausalLM
 
-from mergekit_darts.config import SurgeryConfigError, check_targets, parse_surgery, resolve_tasks
+from mergekit_darts.config import check_targets, parse_surgery, resolve_tasks
+from mergekit_darts.errors import SurgeryConfigError
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from mergekit_darts.modules import SurgeryModule, build_module
+from mergekit_darts.core.modules import SurgeryModule, build_module
 
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
 WORDS = (

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from .configs import METHODS
-from .run import DemoSettings, run_demo
+from mergekit_darts.demo.configs import METHODS
+from mergekit_darts.demo.run import DemoSettings, run_demo
 
 
 @click.command()

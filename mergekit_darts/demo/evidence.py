@@ -16,8 +16,8 @@ from typing import Any
 
 from scipy.stats import spearmanr
 
-from .configs import VARIANTS, fixed_variant, surgery_task
-from .domains import DOMAIN_NAMES
+from mergekit_darts.demo.configs import VARIANTS, fixed_variant, surgery_task
+from mergekit_darts.demo.domains import DOMAIN_NAMES
 
 NONE_LABEL = "None (merged)"
 # metric -> sign that makes "higher is better" (KL is lower-is-better)

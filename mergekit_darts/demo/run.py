@@ -21,11 +21,18 @@ from typing import Any
 
 from rich.console import Console
 
-from .configs import METHODS, VARIANTS, lm_eval_task, merge_config, surgery_task, write_config
-from .domains import DOMAIN_NAMES
-from .evidence import Point, collect, selection_outcomes
-from .evidence import markdown as evidence_markdown
-from .family import FamilyPaths, build_family
+from mergekit_darts.demo.configs import (
+    METHODS,
+    VARIANTS,
+    lm_eval_task,
+    merge_config,
+    surgery_task,
+    write_config,
+)
+from mergekit_darts.demo.domains import DOMAIN_NAMES
+from mergekit_darts.demo.evidence import Point, collect, selection_outcomes
+from mergekit_darts.demo.evidence import markdown as evidence_markdown
+from mergekit_darts.demo.family import FamilyPaths, build_family
 
 console = Console()
 
@@ -185,8 +192,8 @@ def merged_rows(
 
 def bias_figures(settings: DemoSettings, method: str) -> list[Path]:
     """Figure 1 of the paper for each domain's DARTS module: delta_t before/after surgery."""
-    from ..plots import plot_delta_by_position, plot_delta_heatmap
-    from ..report import load_diagnostics, position_bias_norm
+    from mergekit_darts.analysis.plots import plot_delta_by_position, plot_delta_heatmap
+    from mergekit_darts.analysis.report import load_diagnostics, position_bias_norm
 
     surgery = settings.out / "merges" / method / "surgery"
     manifest = json.loads((surgery / "manifest.json").read_text())

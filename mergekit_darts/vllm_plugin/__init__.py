@@ -19,7 +19,7 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from .config import DartsConfig
+    from mergekit_darts.vllm_plugin.config import DartsConfig
 
     AutoConfig.register(DartsConfig.model_type, DartsConfig, exist_ok=True)
     for arch in sorted(ModelRegistry.get_supported_archs()):

@@ -17,8 +17,8 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from ..export import FORMAT, VERSION
-from ..modules import MODULE_KINDS
+from mergekit_darts.core.modules import MODULE_KINDS
+from mergekit_darts.deploy.export import FORMAT, VERSION
 
 MODEL_TYPE = "darts"
 _INTS = ("rank", "max_positions", "hidden_size")

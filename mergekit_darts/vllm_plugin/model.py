@@ -19,8 +19,8 @@ from torch import nn
 from vllm import ModelRegistry
 from vllm.sequence import IntermediateTensors
 
-from ..modules import SurgeryModule, build_module
-from . import PREFIX
+from mergekit_darts.core.modules import SurgeryModule, build_module
+from mergekit_darts.vllm_plugin import PREFIX
 
 SURGERY = "darts_surgery"  # attribute name: parameter names are the export's tensor names
 

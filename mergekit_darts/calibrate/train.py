@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from . import losses
-from .capture import Captured
-from .metrics import delta, rho_l1
-from .modules import SurgeryModule
+from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.core import losses
+from mergekit_darts.core.metrics import delta, rho_l1
+from mergekit_darts.core.modules import SurgeryModule
 
 
 @dataclass(frozen=True)

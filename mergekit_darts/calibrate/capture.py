@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .head import OutputHead
-from .metrics import token_entropy
+from mergekit_darts.core.head import OutputHead
+from mergekit_darts.core.metrics import token_entropy
 
 
 @dataclass

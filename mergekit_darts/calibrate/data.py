@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import CalibrationConfig, ResolvedTask, SurgeryConfigError, calibration_file
+from mergekit_darts.config import CalibrationConfig, ResolvedTask, calibration_file
+from mergekit_darts.errors import SurgeryConfigError
 
 LOG = logging.getLogger("mergekit_darts")
 

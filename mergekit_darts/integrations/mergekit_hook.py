@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .pipeline import PreparedSurgery
+    from mergekit_darts.calibrate.pipeline import PreparedSurgery
 
 OVERWRITE_ENV = "DARTS_OVERWRITE_SURGERY"  # the overwrite flag for the stock mergekit-yaml
 
@@ -34,7 +34,10 @@ def install(merge_module: ModuleType) -> None:
     def run_merge(
         merge_config: Any, out_path: str, options: Any, config_source: str | None = None
     ) -> Any:
-        return merge_with_surgery(original, merge_config, out_path, options, config_source)
+        from mergekit_darts.integrations.click_errors import one_line_errors
+
+        with one_line_errors():
+            return merge_with_surgery(original, merge_config, out_path, options, config_source)
 
     run_merge.__darts_hook__ = True  # type: ignore[attr-defined]
     merge_module.run_merge = run_merge
@@ -55,8 +58,8 @@ def merge_with_surgery(
     ``run_merge`` starts. ``overwrite=None`` reads ``DARTS_OVERWRITE_SURGERY``.
     """
     # imported here, not at the top: install() runs on every `mergekit-yaml --help`
-    from .config import surgery_block
-    from .upstream import neox_buffers_optional
+    from mergekit_darts.config import surgery_block
+    from mergekit_darts.integrations.upstream import neox_buffers_optional
 
     neox_buffers_optional()
     block = surgery_block(config_source)
@@ -82,8 +85,8 @@ def prepare_merge_surgery(
     ``reference`` stands in for the merge's base model when that is not on disk yet (an earlier
     ``mergekit-multi`` stage); the vocabulary checks then wait for the merged folder.
     """
-    from .config import SurgeryConfigError
-    from .pipeline import prepare_surgery
+    from mergekit_darts.calibrate.pipeline import prepare_surgery
+    from mergekit_darts.errors import SurgeryConfigError
 
     if overwrite is None:
         overwrite = os.environ.get(OVERWRITE_ENV, "") not in ("", "0")
@@ -113,8 +116,8 @@ def prepare_merge_surgery(
 
 def finish_merge_surgery(prepared: PreparedSurgery, out_path: str, options: Any) -> None:
     """The surgery on the folder ``run_merge`` just wrote."""
-    from .config import check_targets
-    from .pipeline import run_prepared
+    from mergekit_darts.config import check_targets
+    from mergekit_darts.integrations.post_merge import run_prepared
 
     # The merge may have built its own tokenizer: check the targets against what it wrote.
     targets = check_targets(
@@ -138,7 +141,8 @@ def _check_padding(merge_config: Any, prepared: PreparedSurgery) -> None:
     The padded merged head has a multiple of ``m`` rows, so a target whose row count is not one
     cannot share its vocabulary size (the rule ``check_targets`` applies after the merge).
     """
-    from .config import SurgeryConfigError, model_shape
+    from mergekit_darts.config import model_shape
+    from mergekit_darts.errors import SurgeryConfigError
 
     multiple = merge_config.tokenizer.pad_to_multiple_of if merge_config.tokenizer else None
     if not multiple:

@@ -37,26 +37,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .capture import Captured, capture
-from .config import (
-    ResolvedTask,
-    SurgeryConfig,
-    SurgeryConfigError,
-    SurgeryError,
-    by_files,
-    resolve_device,
-)
-from .continuation import completion_mask, continue_prompts, eos_token_ids
-from .head import OutputHead
+from mergekit_darts.calibrate.capture import Captured, capture
+from mergekit_darts.calibrate.continuation import completion_mask, continue_prompts, eos_token_ids
+from mergekit_darts.config import ResolvedTask, SurgeryConfig, by_files, resolve_device
+from mergekit_darts.core.head import OutputHead
+from mergekit_darts.errors import SurgeryConfigError, SurgeryError, SurgeryRunError
 
 FORMAT = "darts-capture-store"
 STORE_VERSION = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 CAPTURES, COMPLETIONS = "captures", "completions"
-
-
-class SurgeryRunError(SurgeryError, RuntimeError):
-    """Surgery failed after validation; the message names the task and the stage."""
 
 
 @contextmanager

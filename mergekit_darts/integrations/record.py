@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-RECIPE = "mergekit_config.yml"
+from mergekit_darts.manifest import BLOCK_KEY, RECIPE
 
 
 def record_block(folder: str | Path, block: Mapping[str, Any], *, card: bool = True) -> bool:
@@ -35,9 +35,9 @@ def record_block(folder: str | Path, block: Mapping[str, Any], *, card: bool = T
     except yaml.YAMLError:
         return False
     block = json.loads(json.dumps(dict(block)))  # plain data, as YAML reads it back
-    if not isinstance(config, Mapping) or "surgery" not in config or config["surgery"] == block:
+    if not isinstance(config, Mapping) or BLOCK_KEY not in config or config[BLOCK_KEY] == block:
         return False
-    wanted = {**config, "surgery": block}
+    wanted = {**config, BLOCK_KEY: block}
     updated = _replace_block(text, block)
     if updated is None or yaml.safe_load(updated) != wanted:
         updated = yaml.safe_dump(wanted, sort_keys=False)  # unusual layout: the same data, redrawn
@@ -53,7 +53,7 @@ def record_block(folder: str | Path, block: Mapping[str, Any], *, card: bool = T
 def _replace_block(text: str, block: Mapping[str, Any]) -> str | None:
     """``text`` with its top-level ``surgery:`` entry swapped for ``block``; None if not found."""
     lines = text.splitlines(keepends=True)
-    starts = [i for i, line in enumerate(lines) if line.split(":", 1)[0] == "surgery"]
+    starts = [i for i, line in enumerate(lines) if line.split(":", 1)[0] == BLOCK_KEY]
     if len(starts) != 1:
         return None
     start = end = starts[0]
@@ -62,7 +62,7 @@ def _replace_block(text: str, block: Mapping[str, Any]) -> str | None:
         end += 1
     while end > start + 1 and (not lines[end - 1].strip() or lines[end - 1].startswith("#")):
         end -= 1  # blank lines and comments between the block and the next key stay put
-    dumped = yaml.safe_dump({"surgery": block}, sort_keys=False)
+    dumped = yaml.safe_dump({BLOCK_KEY: block}, sort_keys=False)
     return "".join(lines[:start]) + dumped + "".join(lines[end:])
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -65,7 +65,8 @@ def _stages(text: str, kwargs: dict[str, Any]) -> list[_Stage]:
     """The stages whose document carries a ``surgery:`` block, with their output folders."""
     import yaml
 
-    from .config import SurgeryConfigError, surgery_block
+    from mergekit_darts.config import surgery_block
+    from mergekit_darts.errors import SurgeryConfigError
 
     if "surgery" not in text:  # cheap: most recipes have no block
         return []
@@ -92,7 +93,7 @@ def _prepare(
     multimerge: ModuleType, text: str, stages: list[_Stage], kwargs: dict[str, Any]
 ) -> list[tuple[_Stage, Any]]:
     """Check every stage's block before the first merge; drop stages ``--lazy`` leaves alone."""
-    from .hook import prepare_merge_surgery, reference_model
+    from mergekit_darts.integrations.mergekit_hook import prepare_merge_surgery, reference_model
 
     configs, _ = multimerge.load_config(text, kwargs["intermediate_dir"])
     outputs = {os.path.join(kwargs["intermediate_dir"], n): n for n in configs if n is not None}
@@ -121,7 +122,7 @@ def _prepare(
 
 
 def _finish(prepared: list[tuple[_Stage, Any]], kwargs: dict[str, Any]) -> None:
-    from .hook import finish_merge_surgery
+    from mergekit_darts.integrations.mergekit_hook import finish_merge_surgery
 
     options = _options(kwargs)
     for stage, ready in prepared:
@@ -142,13 +143,8 @@ def _merged(multimerge: ModuleType, out_path: str) -> bool:
     )
 
 
-@contextmanager
-def _stage_errors(stage: _Stage) -> Iterator[None]:
-    """Prefix a surgery error with the stage it belongs to."""
-    from .config import SurgeryError
+def _stage_errors(stage: _Stage) -> AbstractContextManager[None]:
+    """Prefix a surgery error with the stage it belongs to (click shows it on one line)."""
+    from mergekit_darts.integrations.click_errors import one_line_errors
 
-    try:
-        yield
-    except SurgeryError as err:
-        err.message = f"mergekit-multi stage {stage.name or 'final merge'}: {err.message}"
-        raise
+    return one_line_errors(f"mergekit-multi stage {stage.name or 'final merge'}: ")

@@ -44,7 +44,9 @@ def update_model_card(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
 
 def surgery_section(manifest: Mapping[str, Any], name: str) -> str:
     """Markdown: what each module serves, how much bias it removed, how to evaluate with it."""
-    from .report import report_link_markdown  # plotting stack only when a card is written
+    from mergekit_darts.analysis.report import (
+        report_link_markdown,  # plotting stack only when a card is written
+    )
 
     tasks = manifest["tasks"]
     rows = []

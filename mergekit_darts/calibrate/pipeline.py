@@ -1,8 +1,8 @@
-"""``run_surgery``: calibrate one surgery module per task on a merged folder and save them there.
+"""The calibration pipeline: one surgery module per task, trained and saved in ``surgery/``.
 
 Resource contract (DESIGN.md): one full model in memory at a time, and one load per distinct
 model: K tasks naming T distinct targets cost T + 1 loads, and none whose captures the
-:mod:`~mergekit_darts.store` already holds. Each target is loaded in turn (it may first extend its
+:mod:`~mergekit_darts.calibrate.store` already holds. Each target is loaded in turn (it may first extend its
 prompts with its own greedy completion, which is why targets come first), its hidden states and
 entropies are captured once per distinct token sequence set, and it is freed; then the merged
 model is loaded once and run over every task's sequences; then each module is trained on the
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -25,13 +25,32 @@ import torch
 import yaml
 from safetensors.torch import save as safetensors_bytes
 
-from .artifacts import read_manifest, write_surgery_folder
-from .capture import Captured
-from .card import print_summary, update_model_card
-from .config import (
+from mergekit_darts.artifacts import read_manifest, write_surgery_folder
+from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.calibrate.continuation import tokens_sha256
+from mergekit_darts.calibrate.data import Prompts, calibration_ids, load_prompts
+from mergekit_darts.calibrate.selection import HeldOut, choose, held_out_metrics, holdout_split
+from mergekit_darts.calibrate.store import (
+    Calibration,
+    CaptureStore,
+    Runtime,
+    capture_merged,
+    capture_target,
+    check_cache_dir,
+    group_by_target,
+    merged_tokenizer,
+    stage,
+)
+from mergekit_darts.calibrate.train import (
+    TrainResult,
+    TrainSettings,
+    evaluate,
+    in_rows,
+    train_surgery,
+)
+from mergekit_darts.config import (
     ResolvedTask,
     SurgeryConfig,
-    SurgeryConfigError,
     calibration_file,
     check_holdout,
     check_output,
@@ -41,32 +60,21 @@ from .config import (
     read_surgery_file,
     resolve_tasks,
 )
-from .continuation import tokens_sha256
-from .data import Prompts, calibration_ids, load_prompts
-from .head import HeadError
-from .losses import LOGIT_LOSSES
-from .metrics import rho_from_deltas
-from .modules import SurgeryModule, build_module
-from .record import record_block
-from .selection import HeldOut, choose, held_out_metrics, holdout_split
-from .store import (
-    Calibration,
-    CaptureStore,
-    Runtime,
-    SurgeryRunError,
-    capture_merged,
-    capture_target,
-    check_cache_dir,
-    group_by_target,
-    merged_tokenizer,
-    stage,
-)
-from .train import TrainResult, TrainSettings, evaluate, in_rows, train_surgery
+from mergekit_darts.core.losses import LOGIT_LOSSES
+from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.core.modules import SurgeryModule, build_module
+from mergekit_darts.errors import HeadError, SurgeryRunError
+from mergekit_darts.manifest import BLOCK_KEY, SURGERY_YAML, diagnostics_file, surgery_dir
 
-SURGERY_YAML = "surgery.yml"
+PhaseHook = Callable[[str], AbstractContextManager[Any]]
 LOSS_CURVE_POINTS = 200  # the manifest keeps at most this many points of each loss curve
 
-__all__ = ["SurgeryRunError", "capture_tasks", "prepare_surgery", "run_prepared", "run_surgery"]
+__all__ = ["PreparedSurgery", "calibrate", "capture_tasks", "prepare_surgery"]
+
+
+def no_phase(name: str) -> AbstractContextManager[None]:
+    """The default ``on_phase``: nothing around the phase."""
+    return nullcontext()
 
 
 @dataclass(frozen=True)
@@ -157,55 +165,30 @@ class _TaskRun:
     selection: dict[str, Any] | None = None  # manifest `selection`
 
 
-def run_surgery(
-    merged_path: str | Path,
-    surgery_config: SurgeryConfig | Mapping[str, Any] | str | Path,
-    *,
-    overwrite: bool = False,
-    progress: bool = True,
-    write_card: bool = True,
-    store: CaptureStore | None = None,
-) -> dict[str, Any]:
-    """Calibrate and save ``merged_path/surgery/``; returns the manifest as written.
-
-    ``surgery_config`` is the block (a mapping or a ``SurgeryConfig``) or a YAML file holding a
-    merge config with ``surgery:`` or just the block. An existing ``surgery/`` is replaced only
-    with ``overwrite``. ``write_card`` appends the surgery section to ``README.md``. ``store``
-    (default: a fresh one on the block's ``cache_dir``) lends captures made earlier.
-    """
-    merged = Path(merged_path)
-    if not (merged / "config.json").is_file():
-        raise SurgeryConfigError(
-            f"{merged} is not a merged model folder (no config.json); run the merge first"
-        )
-    prepared = prepare_surgery(
-        surgery_config,
-        reference=str(merged.resolve()),
-        reference_label=f"merged model {merged}",
-        out_path=merged,
-        overwrite=overwrite,
-    )
-    return run_prepared(merged, prepared, progress=progress, write_card=write_card, store=store)
-
-
-def run_prepared(
+def calibrate(
     merged_path: str | Path,
     prepared: PreparedSurgery,
     *,
     progress: bool = True,
-    write_card: bool = True,
     store: CaptureStore | None = None,
+    on_phase: PhaseHook = no_phase,
 ) -> dict[str, Any]:
-    """The expensive part of :func:`run_surgery`, for a block ``prepare_surgery`` has checked."""
+    """Capture, train and write ``merged_path/surgery/`` for a block ``prepare_surgery`` checked.
+
+    Returns the manifest as written. The card, the recorded block and the summary are the
+    post-merge step's (:mod:`mergekit_darts.integrations.post_merge`). ``on_phase(name)`` wraps
+    each phase ("target", "merged", "train") in a context of the caller's (timers, memory peaks).
+    """
     started = time.perf_counter()
     merged = Path(merged_path)
     store = store if store is not None else CaptureStore(prepared.config.cache_dir)
     stats = dataclasses.replace(store.stats)
-    captured = capture_tasks(merged, prepared, progress=progress, store=store)
-    for run in captured.runs:
-        _train_phase(run, captured.env)
-    with _stage(None, f"writing {merged / 'surgery'}"):
-        written = _write(
+    captured = capture_tasks(merged, prepared, progress=progress, store=store, on_phase=on_phase)
+    with on_phase("train"):
+        for run in captured.runs:
+            _train_phase(run, captured.env)
+    with _stage(None, f"writing {surgery_dir(merged)}"):
+        return _write(
             captured.runs,
             merged,
             prepared,
@@ -214,13 +197,6 @@ def run_prepared(
             started,
             store.stats.since(stats),
         )
-    record_block(merged, prepared.block, card=write_card)
-    if write_card:
-        update_model_card(merged, written)
-    if progress:
-        print_summary(written)
-        print(store.summary())
-    return written
 
 
 @dataclass
@@ -238,6 +214,7 @@ def capture_tasks(
     *,
     progress: bool = True,
     store: CaptureStore | None = None,
+    on_phase: PhaseHook = no_phase,
 ) -> CapturedTasks:
     """Targets one at a time (completions first, if asked), then the merged model once.
 
@@ -262,8 +239,10 @@ def capture_tasks(
         for run in runs
     }
     for target, group in group_by_target(list(calibrations.values())).items():
-        _target_phase(store, target, group, runtime)
-    _merged_phase(store, merged, list(calibrations.values()), runtime)
+        with on_phase("target"):
+            capture_target(store, target, group, runtime)  # loaded once, only if the store lacks it
+    with on_phase("merged"):
+        capture_merged(store, str(merged), list(calibrations.values()), runtime)
     load_merged_s = 0.0
     for run in runs:
         cal = calibrations[run.task.name]
@@ -288,21 +267,7 @@ def _check_completions(run: _TaskRun) -> None:
         )
 
 
-# ---- the three phases ----------------------------------------------------------------------------
-
-
-def _target_phase(
-    store: CaptureStore, target: str, group: list[Calibration], runtime: Runtime
-) -> None:
-    """Load ``target`` (once, and only if the store lacks a capture) for every task naming it."""
-    capture_target(store, target, group, runtime)
-
-
-def _merged_phase(
-    store: CaptureStore, merged: Path, calibrations: list[Calibration], runtime: Runtime
-) -> None:
-    """Load the merged model (once, and only if needed) and capture every task's sequences."""
-    capture_merged(store, str(merged), calibrations, runtime)
+# ---- training ----------------------------------------------------------------------------
 
 
 def _train_phase(run: _TaskRun, env: _Env) -> None:
@@ -462,12 +427,12 @@ def _write(
         "captures": captures,  # model loads, and captures computed or taken from the store
         "tasks": {run.task.name: _task_entry(run) for run in runs},
     }
-    block = yaml.safe_dump({"surgery": dict(prepared.block)}, sort_keys=False)
+    block = yaml.safe_dump({BLOCK_KEY: dict(prepared.block)}, sort_keys=False)
     extra = {SURGERY_YAML: block.encode("utf-8")}
-    extra |= {_diagnostics_file(run.task.name): _diagnostics(run) for run in runs}
+    extra |= {diagnostics_file(run.task.name): _diagnostics(run) for run in runs}
     modules = {run.task.name: run.result.module for run in runs}
-    write_surgery_folder(merged / "surgery", modules, manifest, extra_files=extra)
-    return read_manifest(merged / "surgery")
+    write_surgery_folder(surgery_dir(merged), modules, manifest, extra_files=extra)
+    return read_manifest(surgery_dir(merged))
 
 
 def _task_entry(run: _TaskRun) -> dict[str, Any]:
@@ -507,7 +472,7 @@ def _task_entry(run: _TaskRun) -> dict[str, Any]:
             **_curve(result.loss_curve),
         },
         "timings": {name: round(seconds, 3) for name, seconds in run.timings.items()},
-        "diagnostics": _diagnostics_file(task.name),
+        "diagnostics": diagnostics_file(task.name),
     }
     if run.completions is not None:
         entry["calibration"]["completion_tokens"] = [len(c) for c in run.completions]
@@ -533,10 +498,6 @@ def _position_metrics(run: _TaskRun) -> dict[str, float | None]:
         metrics["rho_l1_prompt"] = rho_from_deltas(before, after, real & ~run.completion_mask)
         metrics["rho_l1_completion"] = rho_from_deltas(before, after, real & run.completion_mask)
     return metrics
-
-
-def _diagnostics_file(task: str) -> str:
-    return f"diagnostics/{task}.safetensors"
 
 
 def _diagnostics(run: _TaskRun) -> bytes:

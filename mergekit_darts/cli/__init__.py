@@ -9,20 +9,30 @@ subcommands attach to the ``main`` group.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import click
 import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
-from .export import LINKS
-from .hook import merge_with_surgery
-from .report import report_command
-from .stats import stats_command
-from .sweep import sweep_command
+from mergekit_darts.analysis.report import report_command
+from mergekit_darts.analysis.stats import stats_command
+from mergekit_darts.analysis.sweep import sweep_command
+from mergekit_darts.deploy.export import LINKS
+from mergekit_darts.integrations.click_errors import one_line_errors
+from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
 
 
-@click.group()
+class _Commands(click.Group):
+    """The command group: a ``DartsError`` is shown as one line, like click's own errors."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with one_line_errors():
+            return super().invoke(ctx)
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="mergekit-darts")
 def main() -> None:
     """DARTS surgery for mergekit merges."""
@@ -82,8 +92,8 @@ def calibrate(
 
     SURGERY_YML is a merge YAML with a `surgery:` block, or the block alone.
     """
-    from .pipeline import run_surgery
-    from .store import CaptureStore
+    from mergekit_darts.calibrate.store import CaptureStore
+    from mergekit_darts.integrations.post_merge import run_surgery
 
     run_surgery(
         out_path,
@@ -113,7 +123,7 @@ def export_command(out_path: str, dest: str, task: str | None, all_tasks: bool, 
     It loads with AutoModelForCausalLM.from_pretrained(DEST, trust_remote_code=True) where
     mergekit-darts is not installed, and serves with vLLM through the mergekit-darts plugin.
     """
-    from .export import export
+    from mergekit_darts.deploy.export import export
 
     for folder in export(out_path, dest, task, all_tasks=all_tasks, link=link):
         click.echo(f"exported {folder}")

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mergekit_darts.errors import HeadError
+
 # text-config model_type -> (config attribute, True: logits are divided by it, False: multiplied)
 SCALES: dict[str, tuple[str, bool]] = {
     **{
@@ -43,10 +45,6 @@ SOFTCAP = "final_logit_softcapping"
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6}
 HALF_TOLERANCE = 2e-2
 LOGIT_CHUNK = 256  # positions per chunk in the metrics: float32 temporaries are [256, V]
-
-
-class HeadError(ValueError):
-    """The logits of this model cannot be reproduced from its final hidden state."""
 
 
 @dataclass

@@ -21,11 +21,11 @@ from typing import Any
 import click
 import numpy as np
 
-from . import plots
-from .artifacts import MANIFEST, SurgeryFormatError, load_surgery, read_manifest
-from .metrics import rho_from_deltas
-
-REPORT_DIR = "report"  # inside surgery/: replaced together with the modules it describes
+from mergekit_darts.analysis import plots
+from mergekit_darts.artifacts import load_surgery, read_manifest
+from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.manifest import MANIFEST, REPORT_DIR
 
 
 @dataclass
@@ -106,10 +106,16 @@ def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict
     working directory, as when the surgery ran. Prompts whose sha256 differ from the manifest are
     reported in the notes.
     """
-    from .config import check_targets, parse_surgery, read_surgery_file, resolve_tasks
-    from .data import calibration_ids, load_prompts
-    from .store import Calibration, CaptureStore, Runtime, capture_calibration, merged_tokenizer
-    from .train import evaluate
+    from mergekit_darts.calibrate.data import calibration_ids, load_prompts
+    from mergekit_darts.calibrate.store import (
+        Calibration,
+        CaptureStore,
+        Runtime,
+        capture_calibration,
+        merged_tokenizer,
+    )
+    from mergekit_darts.calibrate.train import evaluate
+    from mergekit_darts.config import check_targets, parse_surgery, read_surgery_file, resolve_tasks
 
     surgery_dir = merged / "surgery"
     config = parse_surgery(read_surgery_file(surgery_dir / manifest.get("config", "surgery.yml")))

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import click
 import yaml
 from pydantic import (
     BaseModel,
@@ -29,19 +28,14 @@ from pydantic import (
     field_validator,
 )
 
-from .losses import LOGIT_LOSSES, LOSSES
-from .modules import MODULE_KINDS
+from mergekit_darts.config.messages import describe_error, first_line
+from mergekit_darts.core.losses import LOGIT_LOSSES, LOSSES
+from mergekit_darts.core.modules import MODULE_KINDS
+from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.manifest import BLOCK_KEY
+from mergekit_darts.routing import RESERVED_TASK_NAMES
 
 CALIBRATION_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
-RESERVED_TASK_NAMES = ("none", "auto")  # values of hf-darts' ``surgery=`` model argument
-
-
-class SurgeryError(click.ClickException):
-    """A surgery problem with a one-line message; click prints it without a traceback."""
-
-
-class SurgeryConfigError(SurgeryError, ValueError):
-    """The surgery block, a path it names, or a model it names cannot be used as written."""
 
 
 def _not_bool(value: Any) -> Any:
@@ -321,7 +315,7 @@ def read_yaml(path: Path) -> Any:
     except OSError as err:
         raise SurgeryConfigError(f"cannot read {path}: {err.strerror or err}") from err
     except yaml.YAMLError as err:
-        raise SurgeryConfigError(f"{path} is not valid YAML: {_first_line(str(err))}") from err
+        raise SurgeryConfigError(f"{path} is not valid YAML: {first_line(str(err))}") from err
 
 
 def read_surgery_file(path: str | Path) -> Mapping[str, Any]:
@@ -347,7 +341,7 @@ def parse_surgery(block: SurgeryConfig | Mapping[str, Any]) -> SurgeryConfig:
         try:
             config = SurgeryConfig.model_validate(dict(block))
         except ValidationError as err:
-            raise SurgeryConfigError(_describe(err)) from None
+            raise SurgeryConfigError(describe_error(err, SurgeryConfig, BLOCK_KEY)) from None
     _check_rules(config)
     return config
 
@@ -375,9 +369,7 @@ def _check_rules(config: SurgeryConfig) -> None:
             except SurgeryConfigError as err:
                 if task.select is None:
                     raise
-                raise SurgeryConfigError(
-                    f"{task.select_key}.candidates[{number}]: {err.message}"
-                ) from None
+                raise SurgeryConfigError(f"{task.select_key}.candidates[{number}]: {err}") from None
     _check_device(config.device)
 
 
@@ -514,7 +506,7 @@ def model_shape(ref: str, key: str, *, trust_remote_code: bool) -> ModelShape:
     except Exception as err:  # OSError, ValueError, hub errors: all mean "cannot use it"
         local = "" if Path(ref).exists() else f"; there is no folder {Path(ref).resolve()} either"
         raise SurgeryConfigError(
-            f"{key}: cannot read a model config from {ref!r}: {_first_line(str(err))}{local}"
+            f"{key}: cannot read a model config from {ref!r}: {first_line(str(err))}{local}"
         ) from None
     text = config.get_text_config(decoder=True)
     return ModelShape(getattr(text, "hidden_size", None), getattr(text, "vocab_size", None))
@@ -627,7 +619,7 @@ def _tokenizer_vocab(ref: str, trust_remote_code: bool) -> dict[str, int] | None
     """
     from transformers import AutoTokenizer
 
-    from .upstream import warn_tokenizer_mismatch
+    from mergekit_darts.integrations.upstream import warn_tokenizer_mismatch
 
     def vocab() -> dict[str, int] | None:
         try:
@@ -672,74 +664,3 @@ def check_output(out_path: str | Path, overwrite: bool) -> None:
 
 
 # ---- messages ------------------------------------------------------------------------------------
-
-
-BOUNDS = {
-    "greater_than": "> ",
-    "greater_than_equal": ">= ",
-    "less_than": "< ",
-    "less_than_equal": "<= ",
-}
-
-
-def _describe(err: ValidationError) -> str:
-    """One line for the first schema error, naming its key path like the YAML does."""
-    errors = err.errors()
-    first = errors[0]
-    loc = [p for p in first["loc"] if not (isinstance(p, str) and "[" in p)]  # drop union tags
-    key = _key_path(loc)
-    kind, value = first["type"], first.get("input")
-    if kind == "extra_forbidden":
-        allowed = ", ".join(_model_at(loc[:-1]).model_fields)
-        text = f"{key}: unknown key; allowed here: {allowed}"
-    elif kind == "missing":
-        text = f"{key}: required key is missing"
-    elif kind == "literal_error":
-        choices = first["ctx"]["expected"].replace("'", "")
-        text = f"{key}: {_short(value)} is not allowed; choose one of {choices}"
-    elif kind in BOUNDS:
-        bound = BOUNDS[kind]
-        text = f"{key}: must be {bound}{next(iter(first['ctx'].values()))} (got {_short(value)})"
-    elif kind == "too_short":
-        text = f"{key}: must not be empty"
-    elif kind == "value_error":  # our validators name the value themselves
-        text = f"{key}: {first['msg'].removeprefix('Value error, ')}"
-    else:
-        text = f"{key}: {first['msg'].lower()} (got {_short(value)})"
-    more = len(errors) - 1
-    return _first_line(text + (f" (and {more} more problem{'s' * (more > 1)})" if more else ""))
-
-
-def _key_path(loc: list[Any]) -> str:
-    key = "surgery"
-    for part in loc:
-        key += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return key
-
-
-def _model_at(loc: list[Any]) -> type[BaseModel]:
-    """The schema class whose keys sit at ``loc`` (list indices skipped)."""
-    model: type[BaseModel] = SurgeryConfig
-    for part in loc:
-        if not isinstance(part, int):
-            model = _model_in(model.model_fields[part].annotation) or model
-    return model
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The model class inside an annotation such as ``list[TaskConfig] | None``."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        if found := _model_in(arg):
-            return found
-    return None
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _first_line(text: str) -> str:
-    return " ".join(text.split())

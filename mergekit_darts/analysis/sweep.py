@@ -34,8 +34,9 @@ import click
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from tqdm.auto import tqdm
 
-from . import stats
-from .config import (
+from mergekit_darts.analysis import stats
+from mergekit_darts.calibrate.store import CaptureStore, release
+from mergekit_darts.config import (
     CacheDtype,
     LossName,
     LossPositions,
@@ -43,13 +44,12 @@ from .config import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    SurgeryConfigError,
     parse_surgery,
     read_surgery_file,
     read_yaml,
     resolve_device,
 )
-from .store import CaptureStore, release
+from mergekit_darts.errors import SurgeryConfigError
 
 CELLS = "cells"
 MERGES = "merges"
@@ -272,7 +272,7 @@ def calibrate(merged: Path, cell_dir: Path, block: Mapping[str, Any], store: Cap
     The cell's model folder links the merged files, so it has the merged model's identity and
     its captures come from ``store`` after the first cell: training is all a later cell costs.
     """
-    from .pipeline import run_surgery
+    from mergekit_darts.integrations.post_merge import run_surgery
 
     model = cell_model_dir(merged, cell_dir)
     run_surgery(model, block, overwrite=True, progress=False, write_card=False, store=store)
@@ -372,9 +372,8 @@ def scores_of(results: Mapping[str, Any], spec: EvalSpec) -> dict[str, Any]:
 
 def rho_of(surgery_path: Path, spec: EvalSpec) -> tuple[dict[str, float], dict[str, float | None]]:
     """rho_L1 per surgery task (manifest) and of the module serving each eval task."""
-    from lm_eval_darts.model import manifest_routes, parse_surgery_map, route
-
-    from .artifacts import read_manifest
+    from mergekit_darts.artifacts import read_manifest
+    from mergekit_darts.routing import manifest_routes, parse_surgery_map, route
 
     manifest = read_manifest(surgery_path)
     rho = {name: float(entry["metrics"]["rho_l1"]) for name, entry in manifest["tasks"].items()}
@@ -450,7 +449,7 @@ def plan(spec: SweepSpec) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
         try:
             parse_surgery(block)
         except SurgeryConfigError as err:
-            raise SurgeryConfigError(f"sweep cell {cell_id(settings)}: {err.message}") from None
+            raise SurgeryConfigError(f"sweep cell {cell_id(settings)}: {err}") from None
         planned.append((settings, block))
     check_routes(spec, base)
     return planned
@@ -458,7 +457,7 @@ def plan(spec: SweepSpec) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
 
 def check_routes(spec: SweepSpec, block: Mapping[str, Any]) -> None:
     """Every eval task must be served by a surgery task (``eval_tasks`` or ``eval.surgery_map``)."""
-    from lm_eval_darts.model import parse_surgery_map, route
+    from mergekit_darts.routing import parse_surgery_map, route
 
     if spec.eval.surgery_map:
         routes = parse_surgery_map(spec.eval.surgery_map)
@@ -811,7 +810,7 @@ def write_results(
     output: Path, records: Sequence[Mapping[str, Any]], spec: SweepSpec
 ) -> dict[str, Path]:
     """``results.{md,csv,json}``, the rho-vs-score scatter, and ``stats.md`` when asked."""
-    from .plots import plot_rho_vs_score
+    from mergekit_darts.analysis.plots import plot_rho_vs_score
 
     tasks = list(spec.eval.tasks)
     data = {"tasks": tasks, "axes": varied_axes(records), "cells": list(records)}

@@ -27,12 +27,12 @@ import transformers
 import yaml
 from safetensors.torch import save_file
 
-from .artifacts import SurgeryFormatError, load_surgery, read_manifest, resolve_task
-from .card import RHO_L1_NOTE, TAGS
-from .config import SurgeryError
+from mergekit_darts.artifacts import load_surgery, read_manifest, resolve_task
+from mergekit_darts.errors import ExportError, SurgeryFormatError
+from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS
 
 LINKS = ("symlink", "hardlink", "copy")
-MODELING_FILE = Path(__file__).parent / "deploy" / "modeling_darts.py"
+MODELING_FILE = Path(__file__).with_name("modeling_darts.py")
 SURGERY_FILE = "darts_surgery.safetensors"
 PREFIX = "darts_surgery."
 INDEX = "model.safetensors.index.json"
@@ -47,10 +47,6 @@ AUTO_MAP = {
 }
 _NOT_COPIED = {"config.json", "README.md", INDEX}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
-
-
-class ExportError(SurgeryError, ValueError):
-    """An export that cannot be made as asked; nothing has been written."""
 
 
 def export(

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture import Captured
-from .config import holdout_count
-from .head import LOGIT_CHUNK
-from .metrics import delta, rho_from_deltas, token_kl
-from .modules import SurgeryModule
-from .train import positions_of
+from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.calibrate.train import positions_of
+from mergekit_darts.config import holdout_count
+from mergekit_darts.core.head import LOGIT_CHUNK
+from mergekit_darts.core.metrics import delta, rho_from_deltas, token_kl
+from mergekit_darts.core.modules import SurgeryModule
 
 METRIC_BEST = {"agreement": max, "kl": min, "rho_l1": max}  # how each selection metric ranks
 ROWS_PER_STEP = 8  # sequences per held-out evaluation step

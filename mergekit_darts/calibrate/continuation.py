@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from .capture import input_device
+from mergekit_darts.calibrate.capture import input_device
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,1 @@
+"""Looking at results: diagnostics report, plots, statistics, sweeps."""

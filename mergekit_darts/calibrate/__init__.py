@@ -1,0 +1,1 @@
+"""Calibration: prompts -> captured hidden states (with a store) -> trained modules."""

@@ -1,0 +1,1 @@
+"""Deploy: export a corrected Hugging Face folder; ``modeling_darts.py`` is the file shipped inside it."""
