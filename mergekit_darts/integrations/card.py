@@ -7,7 +7,6 @@ gets mergekit's own card, rebuilt from ``mergekit_config.yml``, before the secti
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,9 @@ import yaml
 from rich import box
 from rich.console import Console
 from rich.table import Table
+
+from mergekit_darts.fs import write_text
+from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR
 
 START = "<!-- mergekit-darts:surgery -->"
 END = "<!-- /mergekit-darts:surgery -->"
@@ -36,18 +38,21 @@ def update_model_card(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
         text = head.rstrip("\n") + rest.split(END, 1)[1]
     text = _with_tags(text.rstrip("\n"))
     text += "\n\n" + surgery_section(manifest, folder.name) + "\n"
-    staging = readme.with_name(f".{readme.name}.tmp-{os.getpid()}")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, readme)
+    write_text(readme, text)
     return readme
+
+
+def report_link_markdown(folder_name: str = "<folder>") -> str:
+    """The card's line pointing at the report (the card sits next to ``surgery/``)."""
+    return (
+        "Diagnostics (δ_t heat maps before/after surgery, bias and entropy by position, loss "
+        f"curves): [surgery report]({SURGERY_DIR}/{REPORT_DIR}/report.md), written by "
+        f"`mergekit-darts report {folder_name}`."
+    )
 
 
 def surgery_section(manifest: Mapping[str, Any], name: str) -> str:
     """Markdown: what each module serves, how much bias it removed, how to evaluate with it."""
-    from mergekit_darts.analysis.report import (
-        report_link_markdown,  # plotting stack only when a card is written
-    )
-
     tasks = manifest["tasks"]
     rows = []
     for task, entry in tasks.items():

@@ -11,13 +11,13 @@ calibrated afterwards) is left alone: it never claimed a surgery.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from mergekit_darts.fs import write_text
 from mergekit_darts.manifest import BLOCK_KEY, RECIPE
 
 
@@ -41,12 +41,12 @@ def record_block(folder: str | Path, block: Mapping[str, Any], *, card: bool = T
     updated = _replace_block(text, block)
     if updated is None or yaml.safe_load(updated) != wanted:
         updated = yaml.safe_dump(wanted, sort_keys=False)  # unusual layout: the same data, redrawn
-    _write(recipe, updated)
+    write_text(recipe, updated)
     readme = recipe.with_name("README.md")
     if card and readme.is_file():
         shown = readme.read_text(encoding="utf-8")
         if shown.count(text) == 1:  # mergekit's card quotes the recipe verbatim
-            _write(readme, shown.replace(text, updated))
+            write_text(readme, shown.replace(text, updated))
     return True
 
 
@@ -64,9 +64,3 @@ def _replace_block(text: str, block: Mapping[str, Any]) -> str | None:
         end -= 1  # blank lines and comments between the block and the next key stay put
     dumped = yaml.safe_dump({BLOCK_KEY: block}, sort_keys=False)
     return "".join(lines[:start]) + dumped + "".join(lines[end:])
-
-
-def _write(path: Path, text: str) -> None:
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)
