@@ -7,7 +7,13 @@ hashes, metrics, timings), the block as run (``surgery.yml``), per-task diagnost
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mergekit_darts.errors import SurgeryFormatError
 
 BLOCK_KEY = "surgery"  # the merge YAML's key for the block
 SURGERY_DIR = "surgery"  # the folder inside a merged model
@@ -32,3 +38,66 @@ def module_file(task: str) -> str:
 def diagnostics_file(task: str) -> str:
     """The task's diagnostics (Figure 1's data), relative to ``surgery/``."""
     return f"diagnostics/{task}.safetensors"
+
+
+class _Record(BaseModel):
+    """Typed where code reads a key, open where it does not: unknown keys round-trip unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: keys in the order written, absent optional keys left out."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class TaskEntry(_Record):
+    """One task's module: what ``load_surgery`` needs, what it serves, and how it was made."""
+
+    module: str
+    rank: int
+    max_positions: int
+    file: str | None = None  # filled in by the writer: the module's file inside surgery/
+    loss: str | None = None
+    steps: int | None = None
+    lr: float | None = None
+    batch_size: int | None = None
+    seed: int | None = None
+    target: str | None = None
+    eval_tasks: list[str] = Field(default_factory=list)
+    loss_positions: str | None = None
+    calibration: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    timings: dict[str, float] = Field(default_factory=dict)
+    diagnostics: str | None = None
+    held_out: dict[str, Any] | None = None
+    selection: dict[str, Any] | None = None
+
+    def served(self, name: str) -> list[str]:
+        """The lm-eval tasks this module serves: ``eval_tasks``, or its own name."""
+        return list(self.eval_tasks) or [name]
+
+
+class Manifest(_Record):
+    """``surgery/manifest.json``: shared facts about the run, and one :class:`TaskEntry` per task."""
+
+    format: str = FORMAT
+    version: int = VERSION
+    hidden_size: int
+    vocab_size: int | None = None
+    config: str | None = None  # the block as run, relative to surgery/
+    device: str | None = None
+    cache_dtype: str | None = None
+    versions: dict[str, str] = Field(default_factory=dict)
+    timings: dict[str, float] = Field(default_factory=dict)
+    captures: dict[str, int] = Field(default_factory=dict)
+    tasks: dict[str, TaskEntry]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = MANIFEST) -> Manifest:
+        """Validate ``data``; a problem is one line naming ``where`` and the key."""
+        from mergekit_darts.config.messages import describe_error
+
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as err:
+            raise SurgeryFormatError(f"{where}: {describe_error(err, cls, 'manifest')}") from None
