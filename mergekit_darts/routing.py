@@ -9,7 +9,7 @@ checks all use these functions.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mergekit_darts.errors import SurgeryFormatError
@@ -46,18 +46,41 @@ def parse_surgery_map(value: str | Mapping[str, Any]) -> dict[str, str]:
     return mapping
 
 
-def manifest_routes(manifest: Mapping[str, Any]) -> dict[str, str]:
-    """{lm-eval task: surgery task} from each manifest task's ``eval_tasks`` (default: its name)."""
+class DoubleClaim(ValueError):
+    """Two surgery tasks claim one lm-eval task; each caller words it for its own source."""
+
+    def __init__(self, eval_task: str, first: str, second: str) -> None:
+        super().__init__(
+            f"lm-eval task {eval_task!r} is claimed by surgery tasks {first!r} and {second!r}"
+        )
+        self.eval_task, self.first, self.second = eval_task, first, second
+
+
+def eval_task_routes(claims: Iterable[tuple[str, Sequence[str] | None]]) -> dict[str, str]:
+    """{lm-eval task: surgery task} from (surgery task, its ``eval_tasks``) pairs.
+
+    A task with no ``eval_tasks`` serves its own name. Each lm-eval task picks one module, so a
+    second surgery task claiming it raises :class:`DoubleClaim`.
+    """
     routes: dict[str, str] = {}
-    for name, entry in manifest["tasks"].items():
-        for eval_task in entry.get("eval_tasks") or [name]:
+    for name, eval_tasks in claims:
+        for eval_task in eval_tasks or [name]:
             if routes.get(eval_task, name) != name:
-                raise SurgeryFormatError(
-                    f"lm-eval task {eval_task!r} is served by surgery tasks {routes[eval_task]!r} "
-                    f"and {name!r}: pass surgery_map= to choose"
-                )
+                raise DoubleClaim(eval_task, routes[eval_task], name)
             routes[eval_task] = name
     return routes
+
+
+def manifest_routes(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """{lm-eval task: surgery task} from each manifest task's ``eval_tasks`` (default: its name)."""
+    claims = ((name, entry.get("eval_tasks")) for name, entry in manifest["tasks"].items())
+    try:
+        return eval_task_routes(claims)
+    except DoubleClaim as claim:
+        raise SurgeryFormatError(
+            f"lm-eval task {claim.eval_task!r} is served by surgery tasks {claim.first!r} "
+            f"and {claim.second!r}: pass surgery_map= to choose"
+        ) from None
 
 
 def route(routes: Mapping[str, str], task_name: str) -> str | None:

@@ -26,8 +26,9 @@ from transformers import LlamaForCausalLM
 from mergekit_darts.calibrate.data import load_prompts, tokenize_prompts
 from mergekit_darts.calibrate.pipeline import prepare_surgery
 from mergekit_darts.config import parse_surgery, read_surgery_file, resolve_tasks
-from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError
 from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
+from mergekit_darts.routing import DoubleClaim, eval_task_routes, manifest_routes
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -237,6 +238,11 @@ BAD_INPUTS = [
         task(1, eval_tasks=["humaneval", "math"]),
         "surgery.tasks[1].eval_tasks: lm-eval task 'math' is already served by task 'math'",
     ),
+    (
+        "eval task listed twice by one task",
+        task(0, eval_tasks=["gsm8k", "gsm8k"]),
+        "surgery.tasks[0].eval_tasks: lm-eval task 'gsm8k' is listed twice; list it once",
+    ),
     ("bad device", block(device="gpu"), "surgery.device: 'gpu' is not a device"),
     # issue 9: generation-aware calibration
     (
@@ -390,6 +396,31 @@ def test_defaults_and_overrides():
     )
     assert (b.module, b.rank, b.lr, b.eval_tasks) == ("standard", 8, 1e-3, ("gsm8k", "gsm8k_cot"))
     assert b.loss_positions == "completion"
+
+
+def test_block_and_manifest_share_the_routing_rule():
+    """One lm-eval task, one module: the block refuses at parse time what hf-darts would refuse
+    in a manifest, through the one rule in mergekit_darts.routing."""
+    claims = [("math", ["gsm8k"]), ("code", None), ("math2", ["mbpp", "gsm8k"])]
+    assert eval_task_routes(claims[:2]) == {"gsm8k": "math", "code": "code"}
+    with pytest.raises(DoubleClaim) as info:
+        eval_task_routes(claims)
+    assert (info.value.eval_task, info.value.first, info.value.second) == ("gsm8k", "math", "math2")
+    manifest = {"tasks": {name: {"eval_tasks": tasks} for name, tasks in claims}}
+    with pytest.raises(SurgeryFormatError, match="'gsm8k' is served by surgery tasks 'math' and"):
+        manifest_routes(manifest)
+    block = {
+        "tasks": [
+            {"name": name, "target": "t", "eval_tasks": tasks, "calibration": {"path": "x.txt"}}
+            for name, tasks in claims
+        ]
+    }
+    with pytest.raises(SurgeryConfigError) as info:
+        parse_surgery(block)
+    assert str(info.value) == (
+        "surgery.tasks[2].eval_tasks: lm-eval task 'gsm8k' is already served by task 'math'; "
+        "each lm-eval task may pick one module"
+    )
 
 
 def test_surgery_file_may_be_a_merge_yaml_or_the_block(tmp_path):

@@ -1,16 +1,18 @@
-"""Vocabularies that differ in size: targets that append tokens (WizardMath's 32001 vs 32000,
-`surgery.target_vocab: prefix`) and merges whose embedding rows mergekit pads
-(`tokenizer.pad_to_multiple_of`)."""
+"""Vocabularies that differ between targets and the merge: targets that append tokens
+(WizardMath's 32001 vs 32000, `surgery.target_vocab: prefix`), merges whose embedding rows
+mergekit pads (`tokenizer.pad_to_multiple_of`), and tokenizers transformers loads unlike they
+were saved (qwen2 under transformers 5; README, "Known issues")."""
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
 from test_config import merge, merge_config, refuse
-from tiny import build_tokenizer, save_model
-from transformers import AutoModelForCausalLM
+from tiny import PROMPTS, build_bpe_tokenizer, build_tokenizer, save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from mergekit_darts.config import check_targets, parse_surgery, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError
@@ -133,3 +135,48 @@ def test_padded_rows_after_the_merge_follow_the_same_rules(tiny_family, extended
     with pytest.raises(SurgeryConfigError, match="adds tokens: set surgery.target_vocab: prefix"):
         check("l1", extended / "math_plus")
     check("l1", extended / "math_plus", "prefix")
+
+
+def qwen2(folder, tokenizer):
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def check_against_itself(folder) -> None:
+    """Preflight with ``folder`` as target and reference: only its tokenizer can warn."""
+    block = {"tasks": [{"name": "t", "target": str(folder), "calibration": {"path": "x.txt"}}]}
+    check_targets(
+        resolve_tasks(parse_surgery(block)), str(folder), "model", trust_remote_code=False
+    )
+
+
+def test_qwen2_with_a_word_level_tokenizer_is_reported(tmp_path, caplog):
+    """transformers 5 loads any qwen2 tokenizer as Qwen2Tokenizer; a word-level one is mangled."""
+    word = qwen2(tmp_path / "word", build_tokenizer())
+    loaded = AutoTokenizer.from_pretrained(word)
+    assert type(loaded).__name__ == "Qwen2Tokenizer"
+    assert loaded(PROMPTS[0])["input_ids"] != build_tokenizer()(PROMPTS[0])["input_ids"]
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        check_against_itself(word)
+    (message,) = [r.getMessage() for r in caplog.records if "Qwen2Tokenizer" in r.getMessage()]
+    assert "WordLevel" in message and "byte-level BPE" in message
+
+
+def test_qwen2_with_the_byte_level_bpe_test_tokenizer_is_clean(tmp_path, caplog):
+    tokenizer = build_bpe_tokenizer()
+    bpe = qwen2(tmp_path / "bpe", tokenizer)
+    loaded = AutoTokenizer.from_pretrained(bpe)
+    for prompt in PROMPTS:
+        assert loaded(prompt)["input_ids"] == tokenizer(prompt)["input_ids"]
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        check_against_itself(bpe)
+    assert not [r for r in caplog.records if "Qwen2Tokenizer" in r.getMessage()]

@@ -1,0 +1,278 @@
+"""Checks that open what the block names, run before any merge work starts.
+
+The targets' and the merge's configs (no weights), their tokenizers, the calibration files and
+the output folder: each problem is a one-line :class:`SurgeryConfigError` naming the key, so a
+7B merge never runs for an hour to fail at a typo. Relative paths resolve from the working
+directory, the way mergekit resolves ``model:``, so ``model: ./math`` and ``target: ./math`` name
+one folder.
+
+transformers 5 builds ``Qwen2Tokenizer`` (byte-level BPE from vocab + merges) for every
+``model_type: qwen2`` folder, whatever ``tokenizer_class`` says, so a folder whose
+``tokenizer.json`` holds another model (e.g. word-level) encodes differently from how it was
+saved (README, Known issues). :func:`tokenizer_mismatch` detects that while the vocabularies are
+compared; the fix is a byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mergekit_darts.config.messages import first_line
+from mergekit_darts.config.resolve import ResolvedTask
+from mergekit_darts.config.schema import CALIBRATION_SUFFIXES
+from mergekit_darts.core.losses import LOGIT_LOSSES
+from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.manifest import surgery_dir
+
+log = logging.getLogger("mergekit_darts")
+_warned: set[str] = set()  # folders already warned about
+
+
+def local_or_hub(ref: str, key: str) -> str:
+    """An absolute folder path for a local model, or ``ref`` itself for a Hub id."""
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise SurgeryConfigError(f"{key}: {ref} is a file; name the model's folder")
+        return str(path.resolve())
+    # mergekit's rule (mergekit.card.is_hf): anything else may be a Hub id such as gpt2 or org/name
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+        raise SurgeryConfigError(
+            f"{key}: no model folder at {path.resolve()} (relative paths resolve from the "
+            f"working directory {os.getcwd()})"
+        )
+    return ref
+
+
+def calibration_file(task: ResolvedTask) -> Path | None:
+    """The calibration file of a ``path:`` source, checked to exist and have a known suffix."""
+    cal, key = task.calibration, f"{task.key}.calibration.path"
+    if cal.path is None:
+        return None
+    path = Path(cal.path).expanduser().resolve()
+    if path.suffix.lower() not in CALIBRATION_SUFFIXES:
+        raise SurgeryConfigError(
+            f"{key}: {cal.path} has an unsupported suffix; use one of "
+            f"{', '.join(CALIBRATION_SUFFIXES)}"
+        )
+    if not path.is_file():
+        raise SurgeryConfigError(
+            f"{key}: no file at {path} (relative paths resolve from the working directory "
+            f"{os.getcwd()})"
+        )
+    if path.stat().st_size == 0:
+        raise SurgeryConfigError(f"{key}: {cal.path} is empty; give it at least one prompt")
+    return path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What surgery needs to know about a model without loading its weights."""
+
+    hidden_size: int | None
+    vocab_size: int | None
+
+
+def model_shape(ref: str, key: str, *, trust_remote_code: bool) -> ModelShape:
+    """Hidden and vocabulary size from the model's config.json (no weights are read)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(ref, trust_remote_code=trust_remote_code)
+    except Exception as err:  # OSError, ValueError, hub errors: all mean "cannot use it"
+        local = "" if Path(ref).exists() else f"; there is no folder {Path(ref).resolve()} either"
+        raise SurgeryConfigError(
+            f"{key}: cannot read a model config from {ref!r}: {first_line(str(err))}{local}"
+        ) from None
+    text = config.get_text_config(decoder=True)
+    return ModelShape(getattr(text, "hidden_size", None), getattr(text, "vocab_size", None))
+
+
+def check_targets(
+    tasks: list[ResolvedTask],
+    reference: str,
+    reference_label: str,
+    *,
+    trust_remote_code: bool,
+    check_vocab: bool = True,
+    target_vocab: str = "exact",
+) -> dict[str, str]:
+    """Check each target against ``reference`` (the base before merging, the merge after).
+
+    Returns each task's resolved target location. With ``check_vocab`` the vocabularies are
+    compared too (:func:`_check_vocab`): calibration feeds one sequence of token ids to both.
+    """
+    ref_shape = model_shape(reference, reference_label, trust_remote_code=trust_remote_code)
+    ref_vocab = _tokenizer_vocab(reference, trust_remote_code) if check_vocab else None
+    located = {}
+    for task in tasks:
+        key = f"{task.key}.target"
+        where = local_or_hub(task.target, key)
+        shape = model_shape(where, key, trust_remote_code=trust_remote_code)
+        if shape.hidden_size != ref_shape.hidden_size:
+            raise SurgeryConfigError(
+                f"{key}: {task.target} has hidden_size {shape.hidden_size}, the {reference_label} "
+                f"has {ref_shape.hidden_size}; surgery needs targets of the merged architecture"
+            )
+        if check_vocab:
+            tokens = _tokenizer_vocab(where, trust_remote_code)
+            _check_vocab(task, shape, ref_shape, tokens, ref_vocab, reference_label, target_vocab)
+        located[task.name] = where
+    return located
+
+
+def _check_vocab(
+    task: ResolvedTask,
+    shape: ModelShape,
+    ref_shape: ModelShape,
+    tokens: dict[str, int] | None,
+    ref_vocab: dict[str, int] | None,
+    reference_label: str,
+    target_vocab: str,
+) -> None:
+    """The vocabulary rules between a target and the reference.
+
+    The token -> id maps decide (equal, or under ``prefix`` every reference token keeping its id
+    in the target); embedding row counts may differ, since rows without a token (mergekit's
+    ``tokenizer.pad_to_multiple_of``, appended tokens) never meet a calibration id and the
+    hidden-state losses never look at them. ``kl``/``ce`` compare the two heads' distributions
+    over one vocabulary, so they need equal row counts as well. Without both tokenizers only the
+    row counts can be compared.
+    """
+    key, target, ref = f"{task.key}.target", task.target, reference_label
+    sizes = f"{target} has vocab_size {shape.vocab_size}, the {ref} has {ref_shape.vocab_size}"
+    if task.needs_logits and shape.vocab_size != ref_shape.vocab_size:
+        losses = sorted({c.loss for c in task.candidates()} & set(LOGIT_LOSSES))
+        why = f"loss {'/'.join(losses)}" if losses else f"select metric {task.select.metric}"
+        raise SurgeryConfigError(
+            f"{key}: {sizes}; {why} compares the two models' distributions over one vocabulary "
+            "and needs equal sizes; use loss l1 or ewl1 (and select metric rho_l1), which accept "
+            "padded embedding rows and (with surgery.target_vocab: prefix) appended tokens"
+        )
+    prefix = target_vocab == "prefix" and not task.needs_logits
+    if tokens is None or ref_vocab is None:
+        if shape.vocab_size == ref_shape.vocab_size or (
+            prefix and shape.vocab_size > ref_shape.vocab_size
+        ):
+            return
+        hint = (
+            "; a target that only appends tokens is accepted with surgery.target_vocab: prefix"
+            if not prefix and shape.vocab_size > ref_shape.vocab_size
+            else ""
+        )
+        raise SurgeryConfigError(
+            f"{key}: {sizes}, and without both tokenizers their token ids cannot be compared{hint}"
+        )
+    shared = {t: tokens.get(t) for t in ref_vocab}
+    keeps_ids = shared == ref_vocab
+    compared = shared if prefix else tokens
+    if compared != ref_vocab:
+        differ = len(set(ref_vocab.items()) ^ set(compared.items()))
+        hint = (
+            "; it keeps every token's id and adds tokens: set surgery.target_vocab: prefix"
+            if keeps_ids and not task.needs_logits
+            else ""
+        )
+        raise SurgeryConfigError(
+            f"{key}: the tokenizer of {target} ({len(tokens)} tokens, vocab_size "
+            f"{shape.vocab_size}) differs from the {ref}'s ({len(ref_vocab)} tokens, vocab_size "
+            f"{ref_shape.vocab_size}): {differ} token/id pairs differ; calibration feeds the same "
+            f"token ids to both{hint}"
+        )
+    top = max(ref_vocab.values(), default=-1)
+    if shape.vocab_size is not None and top >= shape.vocab_size:
+        raise SurgeryConfigError(
+            f"{key}: the {ref}'s tokenizer has token ids up to {top}, but {target} has only "
+            f"{shape.vocab_size} embedding rows"
+        )
+
+
+def _tokenizer_vocab(ref: str, trust_remote_code: bool) -> dict[str, int] | None:
+    """The token -> id map, or None when the folder has no tokenizer to compare.
+
+    Warns when transformers loads a tokenizer that encodes unlike the folder's tokenizer.json
+    (transformers 5 and ``model_type: qwen2``; README, Known issues): the maps may still agree.
+    """
+    from transformers import AutoTokenizer
+
+    def vocab() -> dict[str, int] | None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code)
+        except Exception:  # no tokenizer files: nothing to compare, the vocab_size check remains
+            return None
+        warn_tokenizer_mismatch(ref, tokenizer)
+        return tokenizer.get_vocab()
+
+    return by_files(_VOCABS, ref, trust_remote_code, vocab)
+
+
+def tokenizer_mismatch(folder: str | Path, tokenizer: Any) -> str | None:
+    """Why ``tokenizer`` (as transformers loaded it) encodes unlike ``folder/tokenizer.json``.
+
+    Probes with text decoded from the file's own vocabulary; None when both agree or the folder
+    has no ``tokenizer.json`` to compare with.
+    """
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    saved = Tokenizer.from_file(str(path))
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(min(saved.get_vocab_size(), 256)) if i not in special]
+    probe = saved.decode(ids)
+    want = saved.encode(probe, add_special_tokens=False).ids
+    got = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    if got == want:
+        return None
+    kind = json.loads(path.read_text(encoding="utf-8")).get("model", {}).get("type", "?")
+    return (
+        f"transformers loads the tokenizer of {folder} as {type(tokenizer).__name__}, which "
+        f"encodes unlike its tokenizer.json (a {kind} model); calibration and evaluation use what "
+        "transformers loads (for model_type qwen2, transformers 5 always builds Qwen2Tokenizer: "
+        "give such models a byte-level BPE tokenizer)"
+    )
+
+
+def warn_tokenizer_mismatch(folder: str | Path, tokenizer: Any) -> None:
+    """Log :func:`tokenizer_mismatch` once per folder."""
+    key = str(Path(folder).resolve())
+    if key not in _warned and (problem := tokenizer_mismatch(folder, tokenizer)):
+        _warned.add(key)
+        log.warning(problem)
+
+
+_VOCABS: dict[Any, Any] = {}
+
+
+def by_files(cache: dict[Any, Any], ref: str, trust_remote_code: bool, make: Any) -> Any:
+    """``make()``, cached under the (name, size, mtime_ns) of ``ref``'s files.
+
+    A sweep checks and tokenizes with the same models in every cell, each cell's model folder
+    linking the same files: they are read once, and again as soon as a file changes.
+    """
+    folder = Path(ref)
+    files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+    stamp = tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files) or ref
+    key = (stamp, trust_remote_code)
+    if key not in cache:
+        if len(cache) >= 16:
+            cache.clear()
+        cache[key] = make()
+    return cache[key]
+
+
+def check_output(out_path: str | Path, overwrite: bool) -> None:
+    """Refuse to replace an existing ``surgery/`` folder unless asked to."""
+    folder = surgery_dir(out_path)
+    if folder.exists() and not overwrite:
+        raise SurgeryConfigError(
+            f"{folder} already exists: pass --overwrite-surgery (mergekit-darts merge), "
+            "--overwrite (mergekit-darts calibrate), set DARTS_OVERWRITE_SURGERY=1 (mergekit-yaml), "
+            "or remove it"
+        )

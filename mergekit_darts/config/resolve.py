@@ -1,0 +1,143 @@
+"""Each task as it will run: the block's defaults filled in, select and holdout settled.
+
+The block sets defaults, a task overrides them (:data:`~mergekit_darts.config.schema.OVERRIDABLE`),
+and a select candidate overrides the task. A :class:`ResolvedTask` keeps where each setting came
+from, so messages name the key the user wrote (``surgery.tasks[1].lr``, not ``surgery.lr``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from mergekit_darts.config.schema import (
+    OVERRIDABLE,
+    CalibrationConfig,
+    SelectConfig,
+    SurgeryConfig,
+    TaskConfig,
+)
+from mergekit_darts.core.losses import LOGIT_LOSSES
+from mergekit_darts.errors import SurgeryConfigError
+
+
+@dataclass(frozen=True)
+class ResolvedTask:
+    """A task with every default filled in and its key path, for messages."""
+
+    index: int
+    name: str
+    target: str  # as written in the YAML (recorded in the manifest)
+    eval_tasks: tuple[str, ...]
+    calibration: CalibrationConfig
+    module: str
+    loss: str
+    rank: int
+    max_positions: int
+    steps: int
+    lr: float
+    batch_size: int
+    seed: int
+    loss_positions: str
+    overridden: frozenset[str]  # settings the task sets itself
+    holdout: float = 0.0  # fraction of prompts held out from training (0: none)
+    holdout_key: str = ""  # where the holdout was set, for messages
+    select: SelectConfig | None = None
+    select_key: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"surgery.tasks[{self.index}]"
+
+    def candidates(self) -> list[ResolvedTask]:
+        """The task as each select candidate trains it (no select: the task itself)."""
+        if self.select is None:
+            return [self]
+        return [
+            dataclasses.replace(
+                self,
+                select=None,
+                overridden=self.overridden | set(c.model_fields_set),
+                **c.model_dump(exclude_none=True),
+            )
+            for c in self.select.candidates
+        ]
+
+    @property
+    def needs_logits(self) -> bool:
+        """True when training or selection compares next-token distributions (kl, ce, metric)."""
+        metric = self.select is not None and self.select.metric != "rho_l1"
+        return metric or any(c.loss in LOGIT_LOSSES for c in self.candidates())
+
+    @property
+    def needs_head(self) -> bool:
+        """Capture the output heads: logits are needed, or held-out agreement / KL are reported."""
+        return self.needs_logits or self.holdout > 0
+
+    def source_key(self, setting: str) -> str:
+        """Key path where ``setting`` was set: the task's override or the block default."""
+        return f"{self.key}.{setting}" if setting in self.overridden else f"surgery.{setting}"
+
+
+def resolve_tasks(config: SurgeryConfig) -> list[ResolvedTask]:
+    """Fill each task's unset settings from the block's defaults."""
+    resolved = []
+    for index, task in enumerate(config.tasks):
+        settings = {
+            name: getattr(config, name) if getattr(task, name) is None else getattr(task, name)
+            for name in OVERRIDABLE
+        }
+        resolved.append(
+            ResolvedTask(
+                index=index,
+                name=task.name,
+                target=task.target,
+                eval_tasks=tuple(task.eval_tasks or [task.name]),
+                calibration=task.calibration,
+                overridden=frozenset(n for n in OVERRIDABLE if getattr(task, n) is not None),
+                **settings,
+                **_split(config, task, f"surgery.tasks[{index}]"),
+            )
+        )
+    return resolved
+
+
+def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
+    """A task's select and holdout: its own values win over the block's."""
+    for level, where in ((task, key), (config, "surgery")):
+        if level.select is not None and level.holdout is not None:
+            raise SurgeryConfigError(
+                f"{where}.holdout: {where}.select.holdout sets the held-out fraction here; "
+                "give it in one place"
+            )
+    select, select_key = (task.select, f"{key}.select") if task.select else (config.select, "")
+    if select is not None and not select_key:
+        select_key = "surgery.select"
+    if task.holdout is not None:
+        holdout, holdout_key = task.holdout, f"{key}.holdout"
+    elif select is not None:
+        holdout, holdout_key = select.holdout, f"{select_key}.holdout"
+    else:
+        holdout, holdout_key = config.holdout or 0.0, "surgery.holdout"
+    return {
+        "holdout": holdout,
+        "holdout_key": holdout_key,
+        "select": select,
+        "select_key": select_key,
+    }
+
+
+def holdout_count(fraction: float, n: int) -> int:
+    """Prompts held out of ``n``: ``round(fraction * n)``, at least one when holding out at all."""
+    return 0 if fraction <= 0 else max(1, round(fraction * n))
+
+
+def check_holdout(task: ResolvedTask, num_prompts: int) -> None:
+    """The split must leave a prompt on each side; run once the prompts are read."""
+    held = holdout_count(task.holdout, num_prompts)
+    if held and held >= num_prompts:
+        raise SurgeryConfigError(
+            f"{task.holdout_key}: {task.holdout} of {num_prompts} prompt(s) holds out {held}, "
+            "leaving no prompt to train on; lower it or give more calibration prompts"
+        )

@@ -1,0 +1,158 @@
+"""The ``surgery:`` block's schema: keys, types, bounds and defaults, and nothing else.
+
+Like mergekit's ``config.py``, this module only describes what may be written; it reads no file
+and loads no model. The rules between keys live in :mod:`mergekit_darts.config.parse`, the
+filled-in view of each task in :mod:`mergekit_darts.config.resolve`.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
+
+from mergekit_darts.core.losses import LOSSES
+from mergekit_darts.core.modules import MODULE_KINDS
+from mergekit_darts.routing import RESERVED_TASK_NAMES
+
+CALIBRATION_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
+
+
+def _not_bool(value: Any) -> Any:
+    # YAML reads `1e-3` as a string, so floats stay lax, but `true` is never a learning rate.
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not a boolean")
+    return value
+
+
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_not_bool)]
+Fraction = Annotated[float, Field(gt=0, lt=1), BeforeValidator(_not_bool)]
+ModuleKind = Literal[MODULE_KINDS]
+LossName = Literal[LOSSES]
+LossPositions = Literal["all", "completion"]
+CacheDtype = Literal["bfloat16", "float16", "float32"]
+# exact: a target must have the merged model's token -> id map; prefix: it may append tokens
+# after it (WizardMath-7B-V1.0 adds [PAD] as id 32000 to Llama-2's 32000) when every shared token
+# keeps its id, since hidden-state losses never look at the extra rows. Either way embedding rows
+# without a token (mergekit's tokenizer.pad_to_multiple_of) are accepted for l1/ewl1.
+TargetVocab = Literal["exact", "prefix"]
+# held-out selection metrics: top-1 agreement with the target (higher is better), KL(target ||
+# corrected merge) (lower), rho_L1 (higher)
+SelectMetric = Literal["agreement", "kl", "rho_l1"]
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CalibrationConfig(_Block):
+    """Where a task's calibration prompts come from and how they become token sequences."""
+
+    path: str | None = None
+    dataset: str | None = None
+    name: str | None = None  # the datasets configuration name
+    split: str | None = None
+    field: str | None = None
+    template: str | None = None
+    num_samples: PositiveInt = 50
+    max_length: PositiveInt = 512
+    continuation_tokens: NonNegativeInt = 0
+    chat_template: StrictBool = False
+
+
+class Candidate(_Block):
+    """Training settings that override the task's: a task's own overrides, or one select candidate."""
+
+    module: ModuleKind | None = None
+    loss: LossName | None = None
+    rank: PositiveInt | None = None
+    max_positions: PositiveInt | None = None
+    steps: PositiveInt | None = None
+    lr: PositiveFloat | None = None
+    batch_size: PositiveInt | None = None
+    seed: NonNegativeInt | None = None
+    loss_positions: LossPositions | None = None
+
+
+class SelectConfig(_Block):
+    """Train every candidate on the prompts not held out; keep the best on the held-out ones."""
+
+    candidates: list[Candidate] = Field(min_length=1)
+    holdout: Fraction = 0.2
+    metric: SelectMetric = "agreement"
+    refit: StrictBool = True  # retrain the chosen settings on every prompt before saving
+
+
+class TaskConfig(Candidate):
+    """One surgery module: its target fine-tune, calibration data, and overrides of the defaults."""
+
+    name: str
+    target: str
+    eval_tasks: list[str] | None = None
+    calibration: CalibrationConfig
+    holdout: Fraction | None = None
+    select: SelectConfig | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _file_and_cli_safe(cls, name: str) -> str:
+        # The name becomes a file name and a value inside lm-eval's comma-split --model_args.
+        allowed = set(string.ascii_letters + string.digits + "_.-")
+        if not name or not name[0].isalnum() or not set(name) <= allowed:
+            raise ValueError(
+                f"{name!r} is not a valid task name; use letters, digits, '_', '.', '-' and "
+                "start with a letter or digit"
+            )
+        if name.lower() in RESERVED_TASK_NAMES:
+            raise ValueError(f"{name!r} is reserved by hf-darts (surgery=none|auto); rename it")
+        return name
+
+    @field_validator("eval_tasks")
+    @classmethod
+    def _mappable(cls, tasks: list[str] | None) -> list[str] | None:
+        # surgery_map=gsm8k:math;humaneval:code splits on these characters.
+        for number, task in enumerate(tasks or ()):
+            if not task or any(c in task for c in ",;:= \t"):
+                raise ValueError(f"{task!r} is not an lm-eval task name")
+            if task in tasks[:number]:
+                raise ValueError(f"lm-eval task {task!r} is listed twice; list it once")
+        return tasks
+
+
+class SurgeryConfig(_Block):
+    """The whole block; the training settings here are defaults every task may override."""
+
+    module: ModuleKind = "pos_corr"
+    loss: LossName = "ewl1"
+    rank: PositiveInt = 16
+    max_positions: PositiveInt = 512
+    steps: PositiveInt = 500
+    lr: PositiveFloat = 1e-3
+    batch_size: PositiveInt = 8
+    seed: NonNegativeInt = 0
+    loss_positions: LossPositions = "all"
+    device: str = "auto"
+    device_map: str | None = None
+    cache_dtype: CacheDtype = "bfloat16"
+    trust_remote_code: StrictBool = False
+    target_vocab: TargetVocab = "exact"
+    cache_dir: str | None = None  # capture store on disk (calibrate.store); off by default
+    holdout: Fraction | None = None
+    select: SelectConfig | None = None
+    tasks: list[TaskConfig] = Field(min_length=1)
+
+
+# The per-task training settings, in one list: a task or a select candidate may set each of them,
+# and the block's value is the default.
+OVERRIDABLE = tuple(Candidate.model_fields)
