@@ -2,9 +2,10 @@
 
 Every function whose name starts with ``phase_`` runs in its own spawned interpreter (see
 :func:`benchmarks.measure.run_isolated`), so its peak memory is its own. The Table 8 numbers come
-from the real post-merge step, :func:`mergekit_darts.pipeline.run_surgery`, with its three phases
-wrapped by a peak-memory tracker; the baselines (bare forward passes, a bare Adam loop, both
-models loaded at once) use the same token sequences, batch size and cache dtype.
+from the real post-merge step, :func:`mergekit_darts.integrations.post_merge.run_surgery`, with
+its three phases wrapped by a peak-memory tracker (its public ``on_phase`` callback); the
+baselines (bare forward passes, a bare Adam loop, both models loaded at once) use the same token
+sequences, batch size and cache dtype.
 """
 
 from __future__ import annotations
@@ -189,13 +190,13 @@ def bare_adam_loop(module: Any, merged: Any, target: Any, steps: int, batch_size
     import torch
 
     from mergekit_darts import losses
-    from mergekit_darts.calibrate.train import _epoch_batches, positions_of
+    from mergekit_darts.calibrate.train import epoch_batches, positions_of
 
     device = merged.hidden.device
     module = module.to(device=device, dtype=torch.float32).train()
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-3, betas=(0.9, 0.999))
     positions = positions_of(merged.mask)
-    batches = _epoch_batches(
+    batches = epoch_batches(
         torch.arange(merged.hidden.shape[0]), batch_size, torch.Generator().manual_seed(seed)
     )
     for _ in range(steps):

@@ -86,7 +86,8 @@ def sweep_overhead(settings: Any, merged: str, target: str, calib: str, workdir:
     from mergekit_darts.analysis import sweep
     from mergekit_darts.calibrate.capture import capture
     from mergekit_darts.calibrate.data import tokenize_prompts
-    from mergekit_darts.calibrate.store import CaptureStore, pad_id
+    from mergekit_darts.calibrate.runtime import pad_id
+    from mergekit_darts.calibrate.store import CaptureStore
     from mergekit_darts.calibrate.train import TrainSettings, train_surgery
     from mergekit_darts.core.modules import build_module
 

@@ -106,19 +106,14 @@ def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict
     working directory, as when the surgery ran. Prompts whose sha256 differ from the manifest are
     reported in the notes.
     """
-    from mergekit_darts.calibrate.data import calibration_ids, load_prompts
-    from mergekit_darts.calibrate.store import (
-        Calibration,
-        CaptureStore,
-        Runtime,
-        capture_calibration,
-        merged_tokenizer,
-    )
+    from mergekit_darts.calibrate.data import load_prompts
+    from mergekit_darts.calibrate.pipeline import PreparedSurgery, capture_tasks
     from mergekit_darts.calibrate.train import evaluate
     from mergekit_darts.config import check_targets, parse_surgery, read_surgery_file, resolve_tasks
 
     surgery_dir = merged / "surgery"
-    config = parse_surgery(read_surgery_file(surgery_dir / manifest.get("config", "surgery.yml")))
+    block = read_surgery_file(surgery_dir / manifest.get("config", "surgery.yml"))
+    config = parse_surgery(block)
     tasks = resolve_tasks(config)
     targets = check_targets(
         tasks,
@@ -127,18 +122,11 @@ def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict
         trust_remote_code=config.trust_remote_code,
         target_vocab=config.target_vocab,
     )
-    tokenizer = merged_tokenizer(merged, config.trust_remote_code)
     prompts = {task.name: load_prompts(task) for task in tasks}
-    calibrations = [
-        Calibration.of(
-            task, calibration_ids(task, prompts[task.name].texts, tokenizer), targets[task.name]
-        )
-        for task in tasks
-    ]
-    runtime = Runtime.of(config, tokenizer, progress)
-    capture_calibration(CaptureStore(config.cache_dir), str(merged), calibrations, runtime)
+    prepared = PreparedSurgery(block, config, tasks, targets, prompts)
+    captured = capture_tasks(merged, prepared, progress=progress)
     out = {}
-    for task, cal in zip(tasks, calibrations, strict=True):
+    for task, cal in zip(tasks, captured.runs, strict=True):
         module = load_surgery(surgery_dir, task.name)
         before, after, _ = evaluate(module, cal.merged, cal.target, cal.merged.mask)
         mask = cal.merged.mask.cpu()

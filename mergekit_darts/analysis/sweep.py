@@ -35,7 +35,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 from tqdm.auto import tqdm
 
 from mergekit_darts.analysis import stats
-from mergekit_darts.calibrate.store import CaptureStore, release
+from mergekit_darts.calibrate.runtime import release
+from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.config import (
     CacheDtype,
     LossName,

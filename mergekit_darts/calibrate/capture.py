@@ -3,8 +3,9 @@
 The surgery acts on the input of the output embedding (after the final norm), so that is what is
 recorded, through a forward pre-hook on ``model.get_output_embeddings()``; this works for any HF
 causal LM without knowing its module names. For the merged model the hook stops the forward right
-there (its logits are needed at most on the first batch, to check the head); for a target, the per-token entropy of its own next-token
-distribution is computed batch by batch in float32, so an N x T x V tensor never exists.
+there (its logits are needed at most on the first batch, to check the head); for a target, the
+per-token entropy of its own next-token distribution is computed batch by batch in float32, so an
+N x T x V tensor never exists.
 """
 
 from __future__ import annotations

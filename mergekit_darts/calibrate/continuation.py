@@ -104,7 +104,7 @@ def greedy_completions(
 def completion_mask(
     prompt_lengths: Sequence[int], completion_lengths: Sequence[int]
 ) -> torch.Tensor:
-    """[N, T] bool, True exactly at the completion tokens of right-padded prompt + completion rows."""
+    """[N, T] bool, True exactly at the completion tokens of right-padded prompt+completion rows."""
     width = max(p + c for p, c in zip(prompt_lengths, completion_lengths, strict=True))
     mask = torch.zeros((len(prompt_lengths), width), dtype=torch.bool)
     for row, (p, c) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):

@@ -28,7 +28,7 @@ ROWS_PER_STEP = 8  # sequences per held-out evaluation step
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training rows, held-out rows) of ``n`` sequences, both sorted; the draw depends on ``seed``."""
+    """(training rows, held-out rows) of ``n`` sequences, both sorted; ``seed`` fixes the draw."""
     held = holdout_count(fraction, n)
     if held >= n and held:
         raise ValueError(f"holding out {held} of {n} prompts leaves none to train on")

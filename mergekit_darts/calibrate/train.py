@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -79,8 +80,13 @@ def _batch_loss(
     return getattr(losses, loss)(pred_logits, target_logits, mask)
 
 
-def _epoch_batches(rows: torch.Tensor, batch_size: int, generator: torch.Generator):
-    """Endless seeded shuffles of ``rows``, cut into batches (the last of an epoch may be short)."""
+def epoch_batches(
+    rows: torch.Tensor, batch_size: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """Endless seeded shuffles of ``rows``, cut into batches (the last of an epoch may be short).
+
+    Public because the benchmark's bare training loop must draw the very same batches.
+    """
     while True:
         order = rows[torch.randperm(rows.numel(), generator=generator)]
         yield from order.split(batch_size)
@@ -127,7 +133,7 @@ def train_surgery(
     module = module.to(device=device, dtype=torch.float32).train()
     optimizer = torch.optim.Adam(module.parameters(), lr=settings.lr, betas=(0.9, 0.999))
     generator = torch.Generator().manual_seed(settings.seed)
-    batches = _epoch_batches(rows, settings.batch_size, generator)
+    batches = epoch_batches(rows, settings.batch_size, generator)
     curve: list[float] = []
     start = time.perf_counter()
     for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):

@@ -1,0 +1,198 @@
+"""The train phase of one task: its module, or each ``select`` candidate scored on held-out prompts.
+
+:class:`TaskRun` is one task's working state between the phases: the pipeline fills in its
+captures, :func:`train_task` its module and held-out numbers, and
+:mod:`mergekit_darts.calibrate.write` turns it into files. The loop that trains one module on
+cached states is :func:`mergekit_darts.calibrate.train.train_surgery`; this module decides which
+modules to train, on which sequences, and what is recorded about them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.calibrate.data import Prompts
+from mergekit_darts.calibrate.runtime import Runtime, stage, timer
+from mergekit_darts.calibrate.selection import HeldOut, choose, held_out_metrics, holdout_split
+from mergekit_darts.calibrate.train import (
+    TrainResult,
+    TrainSettings,
+    evaluate,
+    in_rows,
+    train_surgery,
+)
+from mergekit_darts.config import OVERRIDABLE, ResolvedTask
+from mergekit_darts.core.losses import LOGIT_LOSSES
+from mergekit_darts.core.modules import SurgeryModule, build_module
+from mergekit_darts.errors import HeadError, SurgeryRunError
+
+
+@dataclass
+class TaskRun:
+    """Working state of one task between the phases."""
+
+    task: ResolvedTask
+    prompts: Prompts
+    prompt_ids: list[list[int]]
+    sequences: list[list[int]] = field(default_factory=list)
+    completions: list[list[int]] | None = None
+    completion_mask: torch.Tensor | None = None
+    target: Captured | None = None
+    merged: Captured | None = None
+    result: TrainResult | None = None
+    delta_all: tuple[torch.Tensor, torch.Tensor] | None = None  # before/after, every real token
+    timings: dict[str, float] = field(default_factory=dict)
+    train_rows: torch.Tensor | None = None  # sequences the saved module trained on (None: all)
+    held_rows: torch.Tensor | None = None  # sequences held out from training
+    held_out: dict[str, Any] | None = None  # manifest `held_out`
+    selection: dict[str, Any] | None = None  # manifest `selection`
+
+    def loss_mask(self, task: ResolvedTask | None = None) -> torch.Tensor:
+        """[N, T] bool on the CPU: the real tokens the loss and rho_L1 cover."""
+        real = self.merged.mask.cpu()
+        positions = (task or self.task).loss_positions
+        return real if positions == "all" else real & self.completion_mask
+
+    def trained(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` [N, T] limited to the sequences the saved module trained on."""
+        return mask if self.train_rows is None else in_rows(mask, self.train_rows)
+
+    def held_sha256(self) -> list[str]:
+        """The sha256 of each held-out prompt, in the order they were held out."""
+        return [self.prompts.sha256[i] for i in self.held_rows.tolist()]
+
+
+def settings_of(task: ResolvedTask) -> dict[str, Any]:
+    """The task's training settings by the schema's names: a new setting is added there only."""
+    return {key: getattr(task, key) for key in OVERRIDABLE}
+
+
+def require_completion_tokens(run: TaskRun) -> None:
+    """``loss_positions: completion`` needs at least one completion token to train on."""
+    if run.task.loss_positions == "completion" and not run.completion_mask.any():
+        raise SurgeryRunError(
+            f"surgery task {run.task.name!r}: the target ended every completion at once (EOS "
+            "first), so loss_positions: completion has no token to train on; use "
+            "loss_positions: all"
+        )
+
+
+def train_task(run: TaskRun, runtime: Runtime) -> None:
+    """Train the task's module; with ``holdout`` measure it on held-out prompts, with ``select``
+    train every candidate on the rest and keep the best (refit on every prompt unless refit off)."""
+    task = run.task
+    if task.needs_logits:
+        _require_heads(run)
+    with stage(task.name, "training"), timer(run.timings, "train_s"):
+        if task.holdout:
+            run.train_rows, run.held_rows = holdout_split(
+                len(run.sequences), task.holdout, task.seed
+            )
+        if task.select is not None:
+            chosen, module = _select(run, runtime)
+            run.task = chosen
+            if task.select.refit:
+                run.train_rows = None
+                run.result = _fit(run, chosen, runtime, None)
+        else:
+            run.result = _fit(run, task, runtime, run.train_rows)
+            module = run.result.module
+        if run.held_rows is not None:
+            run.held_out = _held_out_entry(run, module, saved=run.train_rows is not None)
+        before, after, _ = evaluate(run.result.module, run.merged, run.target, run.merged.mask)
+        run.delta_all = (before, after)
+
+
+def _fit(
+    run: TaskRun, task: ResolvedTask, runtime: Runtime, rows: torch.Tensor | None
+) -> TrainResult:
+    """One module with ``task``'s settings, on the sequences ``rows`` (None: all)."""
+    module = build_module(
+        task.module, run.merged.hidden.shape[-1], task.rank, task.max_positions, seed=task.seed
+    )
+    settings = TrainSettings(task.loss, task.steps, task.lr, task.batch_size, task.seed)
+    loss_mask = None if task.loss_positions == "all" else run.loss_mask(task).to(runtime.device)
+    return train_surgery(
+        module,
+        run.merged,
+        run.target,
+        settings,
+        loss_mask=loss_mask,
+        rows=rows,
+        device=runtime.device,
+        progress=runtime.progress,
+        desc=f"{run.task.name}: train {task.module} + {task.loss}",
+    )
+
+
+def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule]:
+    """Every candidate on the training rows, scored on the held-out rows; returns the best.
+
+    The score covers the task's loss positions; with completions each candidate is also
+    measured on the completion tokens alone (recorded, not used for the choice).
+    """
+    task, select = run.task, run.task.select
+    counted = in_rows(run.loss_mask(task), run.held_rows)
+    completion = None
+    if run.completion_mask is not None:
+        completion = in_rows(
+            run.merged.mask & run.completion_mask.to(counted.device), run.held_rows
+        )
+    candidates, results, entries = task.candidates(), [], []
+    for candidate in candidates:
+        result = _fit(run, candidate, runtime, run.train_rows)
+        held = held_out_metrics(result.module, run.merged, run.target, counted).summary()
+        if completion is not None and completion.any():
+            held["completion"] = held_out_metrics(
+                result.module, run.merged, run.target, completion
+            ).summary()
+        results.append(result)
+        entries.append(
+            {**settings_of(candidate), "held_out": held, "final_loss": result.final_loss}
+        )
+    chosen = choose([e["held_out"][select.metric] for e in entries], select.metric)
+    run.result = results[chosen]
+    run.selection = {
+        "metric": select.metric,
+        "holdout": task.holdout,
+        "holdout_sha256": run.held_sha256(),
+        "refit": select.refit,
+        "candidates": entries,
+        "chosen": chosen,
+    }
+    return candidates[chosen], results[chosen].module
+
+
+def _held_out_entry(run: TaskRun, module: SurgeryModule, *, saved: bool) -> dict[str, Any]:
+    """Manifest ``held_out``: metrics before/after on every held-out token and on completions."""
+    real = run.merged.mask
+    sets = {"all": real}
+    if run.completion_mask is not None:
+        sets["completion"] = real & run.completion_mask.to(real.device)
+    measured: dict[str, HeldOut] = {
+        name: held_out_metrics(module, run.merged, run.target, in_rows(mask, run.held_rows))
+        for name, mask in sets.items()
+        if in_rows(mask, run.held_rows).any()
+    }
+    return {
+        "fraction": run.task.holdout,
+        "prompt_sha256": run.held_sha256(),
+        "saved_module": saved,  # false: the numbers are the chosen candidate's, before its refit
+        **{name: held.as_dict() for name, held in measured.items()},
+    }
+
+
+def _require_heads(run: TaskRun) -> None:
+    """kl, ce, select by agreement or KL need logits the model really produces: one line if not."""
+    task = run.task
+    losses = sorted({c.loss for c in task.candidates()} & set(LOGIT_LOSSES))
+    what = f"loss {losses[0]}" if losses else f"select metric {task.select.metric}"
+    try:
+        for captured in (run.target, run.merged):
+            captured.head.require(what)
+    except HeadError as err:
+        raise SurgeryRunError(f"surgery task {task.name!r}: {err}") from None

@@ -1,0 +1,164 @@
+"""What calibration writes: ``surgery/`` with the modules, the manifest, diagnostics and the block.
+
+Everything lands in one staged folder (:func:`mergekit_darts.artifacts.write_surgery_folder`), so
+``surgery/`` appears whole or not at all. The manifest entry of a task records its settings (the
+schema's names, :func:`~mergekit_darts.calibrate.fit.settings_of`), the prompts by hash, the
+metrics and timings; its diagnostics file keeps the per-token bias before and after, so
+``mergekit-darts report`` draws Figure 1 without loading a model. Recording the block in the
+merge's recipe and the model card is the post-merge step's
+(:mod:`mergekit_darts.integrations.record`, :mod:`~mergekit_darts.integrations.card`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import save as safetensors_bytes
+
+from mergekit_darts.artifacts import read_manifest, write_surgery_folder
+from mergekit_darts.calibrate.continuation import tokens_sha256
+from mergekit_darts.calibrate.fit import TaskRun, settings_of
+from mergekit_darts.config import SurgeryConfig, model_shape
+from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.manifest import BLOCK_KEY, SURGERY_YAML, diagnostics_file, surgery_dir
+
+LOSS_CURVE_POINTS = 200  # the manifest keeps at most this many points of each loss curve
+
+
+def write_surgery(
+    merged: Path,
+    runs: list[TaskRun],
+    block: Mapping[str, Any],
+    config: SurgeryConfig,
+    device: str,
+    *,
+    load_merged_s: float,
+    started: float,
+    captures: dict[str, int],
+) -> dict[str, Any]:
+    """Modules, manifest, diagnostics and the block, in one atomic folder; returns the manifest.
+
+    ``started`` is the run's ``time.perf_counter()`` at its start (the manifest's ``total_s``);
+    ``captures`` the store's counts for the run.
+    """
+    trust = config.trust_remote_code
+    shape = model_shape(str(merged), f"merged model {merged}", trust_remote_code=trust)
+    manifest: dict[str, Any] = {
+        "hidden_size": runs[0].merged.hidden.shape[-1],
+        "vocab_size": shape.vocab_size,
+        "config": SURGERY_YAML,
+        "device": device,
+        "cache_dtype": config.cache_dtype,
+        "versions": _versions(),
+        "timings": {
+            "load_merged_s": round(load_merged_s, 3),
+            "total_s": round(time.perf_counter() - started, 3),
+        },
+        "captures": captures,  # model loads, and captures computed or taken from the store
+        "tasks": {run.task.name: _task_entry(run) for run in runs},
+    }
+    dumped = yaml.safe_dump({BLOCK_KEY: dict(block)}, sort_keys=False)
+    extra = {SURGERY_YAML: dumped.encode("utf-8")}
+    extra |= {diagnostics_file(run.task.name): _diagnostics(run) for run in runs}
+    modules = {run.task.name: run.result.module for run in runs}
+    write_surgery_folder(surgery_dir(merged), modules, manifest, extra_files=extra)
+    return read_manifest(surgery_dir(merged))
+
+
+def _task_entry(run: TaskRun) -> dict[str, Any]:
+    task, result = run.task, run.result
+    cal = task.calibration
+    counted = run.trained(run.loss_mask())
+    entry: dict[str, Any] = {
+        **settings_of(task),
+        "target": task.target,
+        "eval_tasks": list(task.eval_tasks),
+        "calibration": {
+            "source": run.prompts.source,
+            **({"template": cal.template} if cal.template else {"field": cal.field or "text"}),
+            "num_samples": cal.num_samples,
+            "num_prompts": len(run.prompts.texts),
+            "max_length": cal.max_length,
+            "chat_template": cal.chat_template,
+            "continuation_tokens": cal.continuation_tokens,
+            "prompt_sha256": list(run.prompts.sha256),
+            "prompt_tokens": [len(ids) for ids in run.prompt_ids],
+        },
+        "metrics": {
+            "rho_l1": result.rho_l1,
+            "delta_before": _mean(result.delta_before, counted),
+            "delta_after": _mean(result.delta_after, counted),
+            "final_loss": result.final_loss,
+            "tokens": int(counted.sum()),
+            **_position_metrics(run),
+            **_curve(result.loss_curve),
+        },
+        "timings": {name: round(seconds, 3) for name, seconds in run.timings.items()},
+        "diagnostics": diagnostics_file(task.name),
+    }
+    if run.completions is not None:
+        entry["calibration"]["completion_tokens"] = [len(c) for c in run.completions]
+        entry["calibration"]["completion_sha256"] = [tokens_sha256(c) for c in run.completions]
+    if run.held_out is not None:
+        entry["held_out"] = run.held_out
+    if run.selection is not None:
+        entry["selection"] = run.selection
+    return entry
+
+
+def _position_metrics(run: TaskRun) -> dict[str, float | None]:
+    """rho_L1 over all real tokens and, with completions, over prompt and completion tokens."""
+    before, after = run.delta_all
+    real = run.trained(run.merged.mask.cpu())
+    metrics = {"rho_l1_all": rho_from_deltas(before, after, real)}
+    if run.completion_mask is not None:
+        metrics["rho_l1_prompt"] = rho_from_deltas(before, after, real & ~run.completion_mask)
+        metrics["rho_l1_completion"] = rho_from_deltas(before, after, real & run.completion_mask)
+    return metrics
+
+
+def _diagnostics(run: TaskRun) -> bytes:
+    """Per-token bias before/after (the paper's Figure 1 heat map) without recomputing anything."""
+    before, after = run.delta_all
+    real = run.merged.mask.cpu()
+    ids = torch.zeros(real.shape, dtype=torch.int64)
+    for row, seq in enumerate(run.sequences):
+        ids[row, : len(seq)] = torch.as_tensor(seq)
+    tensors = {
+        "input_ids": ids,
+        "mask": real.clone(),
+        "loss_mask": run.loss_mask().clone(),
+        "delta_before": before.contiguous(),
+        "delta_after": after.contiguous(),
+    }
+    if run.completion_mask is not None:
+        tensors["completion_mask"] = run.completion_mask.contiguous()
+    if run.target.entropy is not None:
+        tensors["entropy"] = run.target.entropy.cpu().contiguous()
+    # One metadata key: safetensors orders several at random, and the bytes must be reproducible.
+    return safetensors_bytes(tensors, metadata={"format": "darts-surgery-diagnostics"})
+
+
+def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(values[mask].mean()) if mask.any() else 0.0
+
+
+def _curve(curve: list[float]) -> dict[str, Any]:
+    every = max(1, -(-len(curve) // LOSS_CURVE_POINTS))
+    return {"loss_curve": curve[::every], "loss_curve_every": every}
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for package in ("mergekit-darts", "mergekit", "torch", "transformers"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "unknown"
+    return found
