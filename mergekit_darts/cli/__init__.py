@@ -1,134 +1,108 @@
 """``mergekit-darts``: the explicit commands, usable without the startup hook.
 
-``merge`` is ``mergekit-yaml`` (mergekit's own option decorator, so every stock flag is there)
-plus the surgery; ``calibrate`` adds or redoes the surgery of an already merged folder; ``export``
-writes a folder that plain transformers (and vLLM) load with the correction built in. More
-subcommands attach to the ``main`` group.
+One thin file per command (``cli/<name>.py`` defines ``command``), like mergekit's ``scripts/``.
+The group knows each command by a lazy ``"module:attribute"`` string, as lm-eval's registry does,
+and imports it only when that command runs or its help is asked: ``mergekit-darts --help`` lists
+the commands from the table below and imports no torch, transformers, matplotlib or scipy.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
+from collections.abc import Mapping
+from importlib import import_module
+from typing import Any, NamedTuple
 
 import click
-import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
-from mergekit_darts.analysis.report import report_command
-from mergekit_darts.analysis.stats import stats_command
-from mergekit_darts.analysis.sweep import sweep_command
-from mergekit_darts.deploy.export import LINKS
 from mergekit_darts.integrations.click_errors import one_line_errors
-from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
 
 
-class _Commands(click.Group):
-    """The command group: a ``DartsError`` is shown as one line, like click's own errors."""
+class Entry(NamedTuple):
+    """A command the group imports only when it is used."""
+
+    target: str  # "module:attribute" of the click command
+    summary: str  # the first sentence of its help, for the command list
+
+
+COMMANDS: dict[str, Entry] = {
+    "merge": Entry(
+        "mergekit_darts.cli.merge:command",
+        "Merge CONFIG_FILE into OUT_PATH like mergekit-yaml, then run its `surgery:` block.",
+    ),
+    "calibrate": Entry(
+        "mergekit_darts.cli.calibrate:command",
+        "Add (or with --overwrite redo) surgery on the merged folder OUT_PATH.",
+    ),
+    "export": Entry(
+        "mergekit_darts.cli.export:command",
+        "Write DEST, a Hugging Face folder of the merge OUT_PATH with one surgery task built in.",
+    ),
+    "report": Entry(
+        "mergekit_darts.cli.report:command",
+        "Write a markdown + HTML report of MERGED/surgery with plots (paper Figure 1 and more).",
+    ),
+    "sweep": Entry(
+        "mergekit_darts.cli.sweep:command",
+        "Run an ablation grid of surgery settings on a merged model, or on a grid of merges.",
+    ),
+    "stats": Entry(
+        "mergekit_darts.cli.stats:command",
+        "Paired t / Wilcoxon tests of a vs b and the rho_L1-score correlation of a sweep.",
+    ),
+}
+
+
+def load(entry: Entry) -> click.Command:
+    """Import the command an entry names."""
+    module, _, attribute = entry.target.partition(":")
+    return getattr(import_module(module), attribute)
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported on use; a ``DartsError`` is shown as one line."""
+
+    def __init__(self, *args: Any, lazy_commands: Mapping[str, Entry], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = dict(lazy_commands)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.lazy_commands, *super().list_commands(ctx)})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = self.lazy_commands.get(cmd_name)
+        return load(entry) if entry else super().get_command(ctx, cmd_name)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        """As click's, with its "Did you mean" drawn from the table too (not only added commands)."""
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as err:
+            name = getattr(err, "command_name", None)  # set on click's NoSuchCommand (>= 8.4)
+            if name is None:
+                raise
+            raise type(err)(name, possibilities=self.list_commands(ctx), ctx=ctx) from None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from the table's summaries, shortened as click shortens a help."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))
+        rows = []
+        for name in names:
+            entry = self.lazy_commands.get(name)
+            command = click.Command(name, help=entry.summary) if entry else self.commands[name]
+            if not command.hidden:
+                rows.append((name, command.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context) -> Any:
         with one_line_errors():
             return super().invoke(ctx)
 
 
-@click.group(cls=_Commands)
+@click.group(cls=LazyGroup, lazy_commands=COMMANDS)
 @click.version_option(package_name="mergekit-darts")
 def main() -> None:
     """DARTS surgery for mergekit merges."""
-
-
-@main.command("merge", cls=PrettyPrintHelp)
-@click.argument("config_file", type=click.Path(exists=True, dir_okay=False))
-@click.argument("out_path")
-@click.option(
-    "--overwrite-surgery",
-    is_flag=True,
-    help="Replace an existing OUT_PATH/surgery/ folder instead of refusing.",
-)
-@add_merge_options
-def merge(
-    merge_options: MergeOptions, config_file: str, out_path: str, overwrite_surgery: bool
-) -> None:
-    """Merge CONFIG_FILE into OUT_PATH like mergekit-yaml, then run its `surgery:` block."""
-    merge_options.apply_global_options()
-    with open(config_file, encoding="utf-8") as file:
-        config_source = file.read()
-    merge_config = MergeConfiguration.model_validate(yaml.safe_load(config_source))
-    from mergekit import merge as mergekit_merge
-
-    stock = inspect.unwrap(mergekit_merge.run_merge)  # the hook may have wrapped it already
-    merge_with_surgery(
-        stock, merge_config, out_path, merge_options, config_source, overwrite=overwrite_surgery
-    )
-
-
-@main.command("calibrate")
-@click.argument("out_path", type=click.Path(exists=True, file_okay=False))
-@click.argument("surgery_yml", type=click.Path(exists=True, dir_okay=False))
-@click.option("--overwrite", is_flag=True, help="Replace an existing OUT_PATH/surgery/ folder.")
-@click.option("--quiet", is_flag=True, help="No progress bars and no summary table.")
-@click.option(
-    "--write-model-card/--no-write-model-card",
-    default=True,
-    show_default=True,
-    help="Add the surgery section to OUT_PATH/README.md.",
-)
-@click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False),
-    help="Capture store on disk (overrides the block's cache_dir): a re-run loads no model "
-    "whose captures are there.",
-)
-def calibrate(
-    out_path: str,
-    surgery_yml: str,
-    overwrite: bool,
-    quiet: bool,
-    write_model_card: bool,
-    cache_dir: str | None,
-) -> None:
-    """Add (or with --overwrite redo) surgery on the merged folder OUT_PATH.
-
-    SURGERY_YML is a merge YAML with a `surgery:` block, or the block alone.
-    """
-    from mergekit_darts.calibrate.store import CaptureStore
-    from mergekit_darts.integrations.post_merge import run_surgery
-
-    run_surgery(
-        out_path,
-        surgery_yml,
-        overwrite=overwrite,
-        progress=not quiet,
-        write_card=write_model_card,
-        store=CaptureStore(cache_dir) if cache_dir else None,
-    )
-
-
-@main.command("export")
-@click.argument("out_path", type=click.Path(exists=True, file_okay=False))
-@click.argument("dest", type=click.Path())
-@click.option("--task", help="The surgery task to export (see OUT_PATH/surgery/manifest.json).")
-@click.option("--all", "all_tasks", is_flag=True, help="Export every task, as DEST/<task>/.")
-@click.option(
-    "--link",
-    type=click.Choice(LINKS),
-    default="symlink",
-    show_default=True,
-    help="How DEST gets the merged weights; a Hub upload needs real files (copy or hardlink).",
-)
-def export_command(out_path: str, dest: str, task: str | None, all_tasks: bool, link: str) -> None:
-    """Write DEST, a Hugging Face folder of the merge OUT_PATH with one surgery task built in.
-
-    It loads with AutoModelForCausalLM.from_pretrained(DEST, trust_remote_code=True) where
-    mergekit-darts is not installed, and serves with vLLM through the mergekit-darts plugin.
-    """
-    from mergekit_darts.deploy.export import export
-
-    for folder in export(out_path, dest, task, all_tasks=all_tasks, link=link):
-        click.echo(f"exported {folder}")
-
-
-main.add_command(report_command)
-main.add_command(sweep_command)
-main.add_command(stats_command)

@@ -28,10 +28,10 @@ import yaml
 from safetensors.torch import save_file
 
 from mergekit_darts.artifacts import load_surgery, read_manifest, resolve_task
+from mergekit_darts.deploy import LINKS
 from mergekit_darts.errors import ExportError, SurgeryFormatError
 from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS
 
-LINKS = ("symlink", "hardlink", "copy")
 MODELING_FILE = Path(__file__).with_name("modeling_darts.py")
 SURGERY_FILE = "darts_surgery.safetensors"
 PREFIX = "darts_surgery."

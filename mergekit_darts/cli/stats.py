@@ -1,0 +1,28 @@
+"""``mergekit-darts stats``: the options of ``analysis.stats.stats_command``, imported on run.
+
+A stand-in so that ``stats --help`` needs no scipy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("stats")
+@click.argument("results_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--a", "a", required=True, help="Configuration a, e.g. module=pos_corr,loss=ewl1.")
+@click.option("--b", "b", required=True, help="Configuration b, e.g. module=standard,loss=l1.")
+@click.option(
+    "--unit",
+    type=click.Choice(["seed", "item"]),
+    default="seed",
+    show_default=True,
+    help="Pair seeds (paper Tables 4, 15) or individual evaluation items.",
+)
+def command(results_dir: Path, a: str, b: str, unit: str) -> None:
+    """Paired t / Wilcoxon tests of a vs b and the rho_L1-score correlation of a sweep."""
+    from mergekit_darts.analysis.stats import stats_command
+
+    stats_command.callback(results_dir, a, b, unit)
