@@ -16,9 +16,9 @@ import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
-from mergekit_darts.analysis.report import report_command
-from mergekit_darts.analysis.stats import stats_command
-from mergekit_darts.analysis.sweep import sweep_command
+from mergekit_darts.cli.report import command as report_command
+from mergekit_darts.cli.stats import command as stats_command
+from mergekit_darts.cli.sweep import command as sweep_command
 from mergekit_darts.deploy.export import LINKS
 from mergekit_darts.integrations.click_errors import one_line_errors
 from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
