@@ -32,4 +32,8 @@ class ExportError(DartsError, ValueError):
     """An export that cannot be made as asked; nothing has been written."""
 
 
+class ResultsError(DartsError, ValueError):
+    """Sweep results (``results.json``, a selector, a comparison) that cannot be used as asked."""
+
+
 SurgeryError = DartsError  # the name the first releases used for the root

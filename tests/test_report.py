@@ -14,10 +14,10 @@ from mergekit_darts.analysis import plots
 from mergekit_darts.analysis.report import (
     load_diagnostics,
     recompute,
-    report_command,
-    report_link_markdown,
     write_report,
 )
+from mergekit_darts.cli.report import command as report_command
+from mergekit_darts.integrations.card import report_link_markdown
 from mergekit_darts.integrations.post_merge import run_surgery
 
 PNG = b"\x89PNG\r\n\x1a\n"

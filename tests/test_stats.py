@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from scipy import stats as sps
 
 from mergekit_darts.analysis import stats
+from mergekit_darts.cli.stats import command as stats_command
 
 # Paper Table 4: per-seed averages of DARTS and Standard surgery over 6 seeds.
 DARTS_AVG = [42.3, 42.2, 42.3, 43.3, 42.2, 43.0]
@@ -156,7 +157,7 @@ def test_selector_errors_are_one_line(results):
 def test_stats_command_writes_markdown_and_json(tmp_path, results):
     (tmp_path / "results.json").write_text(json.dumps(results))
     run = CliRunner().invoke(
-        stats.stats_command, [str(tmp_path), "--a", "module=pos_corr", "--b", "module=standard"]
+        stats_command, [str(tmp_path), "--a", "module=pos_corr", "--b", "module=standard"]
     )
     assert run.exit_code == 0, run.output
     markdown = (tmp_path / "stats.md").read_text()
@@ -167,5 +168,5 @@ def test_stats_command_writes_markdown_and_json(tmp_path, results):
     want = sps.wilcoxon(DARTS["alpacaeval"], STANDARD["alpacaeval"])
     assert data["paired"][2]["w_p"] == pytest.approx(float(want.pvalue))
     assert len(data["correlation"]) == 3
-    bad = CliRunner().invoke(stats.stats_command, [str(tmp_path), "--a", "x=1", "--b", "y=2"])
+    bad = CliRunner().invoke(stats_command, [str(tmp_path), "--a", "x=1", "--b", "y=2"])
     assert bad.exit_code == 1 and "no finished sweep cell matches x=1" in bad.output

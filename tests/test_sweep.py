@@ -13,6 +13,8 @@ import yaml
 from click.testing import CliRunner
 
 from mergekit_darts.analysis import sweep
+from mergekit_darts.analysis.sweep import cell as sweep_cell
+from mergekit_darts.cli.sweep import command as sweep_command
 from mergekit_darts.errors import SurgeryConfigError
 
 EVAL_TASKS = ["sweep_a", "sweep_b"]
@@ -108,8 +110,8 @@ class Counting:
 def test_sweep_completes_and_resumes_after_a_kill(spec_file, monkeypatch):
     spec = sweep.load_spec(spec_file)
     output = sweep.output_dir(spec, spec_file)
-    evaluate = Counting(sweep.evaluate, fail_on=4)  # baseline + 2 cells finish, the 3rd dies
-    monkeypatch.setattr(sweep, "evaluate", evaluate)
+    evaluate = Counting(sweep_cell.evaluate, fail_on=4)  # baseline + 2 cells finish, the 3rd dies
+    monkeypatch.setattr(sweep_cell, "evaluate", evaluate)
     with pytest.raises(KeyboardInterrupt):
         sweep.run_sweep(spec, output)
     finished = sorted(output.glob("cells/*/result.json"))
@@ -122,10 +124,10 @@ def test_sweep_completes_and_resumes_after_a_kill(spec_file, monkeypatch):
     assert not (output / "cells" / "module-standard__loss-ewl1__seed-0" / "result.json").exists()
 
     evaluate = Counting(evaluate.fn)
-    calibrate = Counting(sweep.calibrate)
-    monkeypatch.setattr(sweep, "evaluate", evaluate)
-    monkeypatch.setattr(sweep, "calibrate", calibrate)
-    run = CliRunner().invoke(sweep.sweep_command, [str(spec_file)])
+    calibrate = Counting(sweep_cell.calibrate)
+    monkeypatch.setattr(sweep_cell, "evaluate", evaluate)
+    monkeypatch.setattr(sweep_cell, "calibrate", calibrate)
+    run = CliRunner().invoke(sweep_command, [str(spec_file)])
     assert run.exit_code == 0, run.output
     assert evaluate.calls == 6 and calibrate.calls == 6  # only the 6 unfinished surgery cells
     assert {p: p.stat().st_mtime_ns for p in finished} == stamps
@@ -355,7 +357,7 @@ def test_merge_grid_captures_targets_once_and_marks_the_best_merge(
     spec_data["output"] = str(tmp_path / "out")
     path = tmp_path / "grid.yml"
     path.write_text(yaml.safe_dump(spec_data, sort_keys=False))
-    run = CliRunner().invoke(sweep.sweep_command, [str(path)])
+    run = CliRunner().invoke(sweep_command, [str(path)])
     assert run.exit_code == 0, run.output
     # K + M capture loads (math once, each merge once through a cell folder) + M evaluation models
     assert loads == Counter(
@@ -387,7 +389,7 @@ def test_merge_grid_captures_targets_once_and_marks_the_best_merge(
     assert "| none (no surgery) |" in markdown
 
     loads.clear()
-    again = CliRunner().invoke(sweep.sweep_command, [str(path)])
+    again = CliRunner().invoke(sweep_command, [str(path)])
     assert again.exit_code == 0, again.output
     assert not loads and again.output.count("done earlier, kept") == 3  # resumed: nothing redone
 

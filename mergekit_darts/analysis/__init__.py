@@ -1,1 +1,1 @@
-"""Looking at results: diagnostics report, plots, statistics, sweeps."""
+"""Looking at results: the surgery report (report, plots, document), statistics (stats, comparison), ablation sweeps (sweep/)."""

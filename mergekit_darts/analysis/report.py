@@ -11,20 +11,18 @@ folder written without entropy, and checks that the prompts still hash to what t
 
 from __future__ import annotations
 
-import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import click
 import numpy as np
 
 from mergekit_darts.analysis import plots
+from mergekit_darts.analysis.document import Document
 from mergekit_darts.artifacts import load_surgery, read_manifest
 from mergekit_darts.core.metrics import rho_from_deltas
-from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.manifest import MANIFEST, REPORT_DIR
 
 
@@ -38,15 +36,6 @@ class Diagnostics:
     loss_mask: np.ndarray  # the tokens the loss and rho_L1 counted
     entropy: np.ndarray | None = None
     notes: list[str] = field(default_factory=list)
-
-
-def report_link_markdown(folder_name: str = "<folder>") -> str:
-    """The model card's line pointing at the report (the card sits next to ``surgery/``)."""
-    return (
-        "Diagnostics (δ_t heat maps before/after surgery, bias and entropy by position, loss "
-        f"curves): [surgery report](surgery/{REPORT_DIR}/report.md), written by "
-        f"`mergekit-darts report {folder_name}`."
-    )
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -160,62 +149,6 @@ def _hash_notes(sha256: Sequence[str], entry: Mapping[str, Any]) -> list[str]:
 # --- writing ---------------------------------------------------------------------------------
 
 
-class _Doc:
-    """A page built once and written as both markdown and HTML."""
-
-    def __init__(self) -> None:
-        self.blocks: list[tuple[str, Any]] = []
-
-    def heading(self, level: int, text: str) -> None:
-        self.blocks.append(("h", (level, text)))
-
-    def text(self, text: str) -> None:
-        self.blocks.append(("p", text))
-
-    def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        self.blocks.append(("table", (list(header), [[str(c) for c in r] for r in rows])))
-
-    def image(self, path: Path, alt: str) -> None:
-        self.blocks.append(("img", (path.name, alt)))
-
-    def markdown(self) -> str:
-        out = []
-        for kind, value in self.blocks:
-            if kind == "h":
-                out.append("#" * value[0] + " " + value[1])
-            elif kind == "p":
-                out.append(value)
-            elif kind == "table":
-                header, rows = value
-                lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                out.append("\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]))
-            else:
-                out.append(f"![{value[1]}]({value[0]})")
-        return "\n\n".join(out) + "\n"
-
-    def html(self, title: str) -> str:
-        e = html.escape
-        out = [
-            "<!doctype html><html><head><meta charset='utf-8'>",
-            f"<title>{e(title)}</title><style>body{{font-family:sans-serif;max-width:1100px;"
-            "margin:auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-            "padding:2px 8px;text-align:right}img{max-width:100%}</style></head><body>",
-        ]
-        for kind, value in self.blocks:
-            if kind == "h":
-                out.append(f"<h{value[0]}>{e(value[1])}</h{value[0]}>")
-            elif kind == "p":
-                out.append(f"<p>{e(value)}</p>")
-            elif kind == "table":
-                header, rows = value
-                out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
-                out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
-                out.append("</table>")
-            else:
-                out.append(f"<p><img src='{e(value[0])}' alt='{e(value[1])}'></p>")
-        return "\n".join(out + ["</body></html>"]) + "\n"
-
-
 def _f(value: Any, digits: int = 4) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -243,7 +176,7 @@ def write_report(
         if recompute_diagnostics
         else {t: load_diagnostics(surgery_dir, e) for t, e in tasks.items()}
     )
-    doc = _Doc()
+    doc = Document()
     doc.heading(1, f"DARTS surgery report: {merged.resolve().name}")
     doc.text(
         f"From `{surgery_dir / MANIFEST}` (mergekit-darts {version('mergekit-darts')}). "
@@ -288,7 +221,7 @@ def write_report(
 
 
 def _task_section(
-    doc: _Doc,
+    doc: Document,
     out: Path,
     surgery_dir: Path,
     task: str,
@@ -354,27 +287,3 @@ def _task_section(
             ),
             f"{task}: entropy by position",
         )
-
-
-@click.command("report")
-@click.argument("merged", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option(
-    "--output",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Folder for the report (default: MERGED/surgery/report).",
-)
-@click.option(
-    "--recompute",
-    is_flag=True,
-    help="Recompute δ_t and entropy on the calibration set (loads every target, then the merge).",
-)
-@click.option("--quiet", is_flag=True, help="No progress bars.")
-def report_command(merged: Path, output: Path | None, recompute: bool, quiet: bool) -> None:
-    """Write a markdown + HTML report of MERGED/surgery with plots (paper Figure 1 and more)."""
-    try:
-        path = write_report(
-            merged, output=output, recompute_diagnostics=recompute, progress=not quiet
-        )
-    except SurgeryFormatError as err:
-        raise click.ClickException(str(err)) from err
-    click.echo(f"wrote {path} and {path.with_suffix('.html')}")

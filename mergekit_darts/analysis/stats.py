@@ -5,22 +5,23 @@ signed-rank tests per task across calibration seeds (Table 15), per-seed average
 Mann-Whitney U test (Table 4), and the relation between bias reduction and score (Table 3). With
 small evaluation sets single runs differ by noise, so these tests are what a user needs to tell a
 real gain from luck. Everything here is plain scipy on numbers a sweep wrote to ``results.json``
-(see :mod:`mergekit_darts.sweep`); nothing loads a model.
+(see :mod:`mergekit_darts.analysis.sweep`); nothing loads a model. The paper-shaped tables of an
+a-vs-b comparison are in :mod:`mergekit_darts.analysis.comparison`. A comparison that cannot be
+made raises :class:`~mergekit_darts.errors.ResultsError` (a ``ValueError``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-import click
 from scipy import stats as sps
+
+from mergekit_darts.errors import ResultsError
 
 SEED = "seed"
 DIFF_DIGITS = 9  # score differences below 1e-9 points are float noise
@@ -83,9 +84,9 @@ def paired_test(a: Sequence[float], b: Sequence[float], label: str = "") -> Pair
     are reported as such, and the rest is scipy unchanged.
     """
     if len(a) != len(b):
-        raise ValueError(f"{label or 'paired test'}: {len(a)} scores of a but {len(b)} of b")
+        raise ResultsError(f"{label or 'paired test'}: {len(a)} scores of a but {len(b)} of b")
     if len(a) < 2:
-        raise ValueError(f"{label or 'paired test'}: needs at least 2 pairs, got {len(a)}")
+        raise ResultsError(f"{label or 'paired test'}: needs at least 2 pairs, got {len(a)}")
     diffs = [round(x - y, DIFF_DIGITS) for x, y in zip(a, b, strict=True)]
     mean = statistics.fmean(diffs)
     if len(set(diffs)) > 1:
@@ -106,7 +107,7 @@ def paired_test(a: Sequence[float], b: Sequence[float], label: str = "") -> Pair
 def group_test(a: Sequence[float], b: Sequence[float]) -> GroupTest:
     """Mann-Whitney U (two-sided) of two groups, with Shapiro-Wilk p for each, as in Table 4."""
     if len(a) < 2 or len(b) < 2:
-        raise ValueError(f"group test needs 2+ values per group, got {len(a)} and {len(b)}")
+        raise ResultsError(f"group test needs 2+ values per group, got {len(a)} and {len(b)}")
 
     def shapiro_p(x: Sequence[float]) -> float:
         return float(_quiet(sps.shapiro, x).pvalue) if len(x) >= 3 else math.nan
@@ -128,7 +129,9 @@ def group_test(a: Sequence[float], b: Sequence[float]) -> GroupTest:
 def correlation(x: Sequence[float], y: Sequence[float], label: str = "") -> Correlation:
     """Pearson and Spearman correlation of ``x`` and ``y`` (NaN when either is constant)."""
     if len(x) != len(y) or len(x) < 3:
-        raise ValueError(f"{label or 'correlation'}: needs 3+ paired values, got {len(x)}/{len(y)}")
+        raise ResultsError(
+            f"{label or 'correlation'}: needs 3+ paired values, got {len(x)}/{len(y)}"
+        )
     if len(set(x)) < 2 or len(set(y)) < 2:
         return Correlation(label, len(x), math.nan, math.nan, math.nan, math.nan)
     pr, sr = _quiet(sps.pearsonr, x, y), _quiet(sps.spearmanr, x, y)
@@ -146,10 +149,12 @@ def parse_selector(text: str) -> dict[str, str]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = (s.strip() for s in part.partition("="))
         if not (sep and key and value):
-            raise ValueError(f"bad selector {part!r}: expected key=value[,key=value...]")
+            raise ResultsError(f"bad selector {part!r}: expected key=value[,key=value...]")
         selector[key] = value
     if not selector:
-        raise ValueError("empty selector: expected key=value[,key=value...], e.g. module=pos_corr")
+        raise ResultsError(
+            "empty selector: expected key=value[,key=value...], e.g. module=pos_corr"
+        )
     return selector
 
 
@@ -163,10 +168,10 @@ def select(cells: Sequence[Mapping[str, Any]], selector: Mapping[str, str]) -> l
     ]
     text = ",".join(f"{k}={v}" for k, v in selector.items())
     if not chosen:
-        raise ValueError(f"no finished sweep cell matches {text}")
+        raise ResultsError(f"no finished sweep cell matches {text}")
     configs = {config_label(c["settings"]) for c in chosen}
     if len(configs) > 1:
-        raise ValueError(f"{text} matches several configurations ({'; '.join(sorted(configs))})")
+        raise ResultsError(f"{text} matches several configurations ({'; '.join(sorted(configs))})")
     return chosen
 
 
@@ -205,7 +210,7 @@ def compare_seeds(
     pairs = paired_cells(cells_a, cells_b)
     if len(pairs) < 2:
         seeds = [seed for seed, _, _ in pairs]
-        raise ValueError(f"a and b share {len(pairs)} seed(s) {seeds}; paired tests need 2+")
+        raise ResultsError(f"a and b share {len(pairs)} seed(s) {seeds}; paired tests need 2+")
     tests = [
         paired_test([x["scores"][t] for _, x, _ in pairs], [y["scores"][t] for _, _, y in pairs], t)
         for t in tasks
@@ -248,138 +253,3 @@ def rho_correlations(cells: Sequence[Mapping[str, Any]], tasks: Sequence[str]) -
         if len(pairs) >= 3:
             out.append(correlation([p[0] for p in pairs], [p[1] for p in pairs], task))
     return out
-
-
-# --- tables ----------------------------------------------------------------------------------
-
-
-def _f(x: float, digits: int = 3) -> str:
-    return "nan" if isinstance(x, float) and math.isnan(x) else f"{x:.{digits}f}"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub markdown table."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def paired_table(tests: Sequence[PairedTest]) -> str:
-    """Shaped like the paper's Table 15."""
-    return table(
-        ["Task", "n", "Mean Diff", "t-stat", "t-test p-val", "W-stat", "Wilcoxon p-val", "note"],
-        [
-            [t.label, t.n, f"{t.mean_diff:+.2f}", _f(t.t), _f(t.t_p), _f(t.w), _f(t.w_p), t.note]
-            for t in tests
-        ],
-    )
-
-
-def seed_table(rows: Sequence[tuple[Any, float, float]], label_a: str, label_b: str) -> str:
-    """Shaped like the paper's Table 4, with the group test below it."""
-    body = [[seed, f"{x:.1f}", f"{y:.1f}"] for seed, x, y in rows]
-    lines = [table(["Seed", f"{label_a} (Avg.)", f"{label_b} (Avg.)"], body)]
-    if len(rows) >= 2:
-        g = group_test([r[1] for r in rows], [r[2] for r in rows])
-        lines.append(
-            f"\nMean ± Std: a {g.mean_a:.1f} ± {g.std_a:.1f}, b {g.mean_b:.1f} ± {g.std_b:.1f}. "
-            f"Shapiro-Wilk p: a {_f(g.shapiro_a_p)}, b {_f(g.shapiro_b_p)}. "
-            f"Mann-Whitney U = {g.u:.1f}, p = {_f(g.u_p)}."
-        )
-    return "\n".join(lines)
-
-
-def correlation_table(correlations: Sequence[Correlation]) -> str:
-    return table(
-        ["Task", "cells", "Pearson r", "p", "Spearman rho", "p"],
-        [
-            [c.label, c.n, _f(c.pearson_r), _f(c.pearson_p), _f(c.spearman_r), _f(c.spearman_p)]
-            for c in correlations
-        ],
-    )
-
-
-def rho_table(
-    cells: Sequence[Mapping[str, Any]],
-    baseline: Mapping[str, Any] | None,
-    tasks: Sequence[str],
-    label: str,
-) -> str:
-    """Shaped like the paper's Table 3: rho_L1 (%), score without and with surgery, change (pp)."""
-    rows = []
-    for task in tasks:
-        rhos = [c["eval_rho"][task] for c in cells if c.get("eval_rho", {}).get(task) is not None]
-        score = statistics.fmean(c["scores"][task] for c in cells)
-        rho = f"{100 * statistics.fmean(rhos):.1f}" if rhos else "-"
-        if baseline is None:
-            rows.append([task, rho, "-", f"{score:.1f}", "-"])
-        else:
-            base = baseline["scores"][task]
-            rows.append([task, rho, f"{base:.1f}", f"{score:.1f}", f"{score - base:+.1f}"])
-    return table(["Task", "rho_L1 (%)", "No Surg.", label, "pp Change"], rows)
-
-
-def compare_report(
-    results: Mapping[str, Any], a: Mapping[str, str], b: Mapping[str, str], unit: str = SEED
-) -> tuple[str, dict[str, Any]]:
-    """Markdown and JSON of the a-vs-b comparison plus the rho_L1 analysis of a sweep."""
-    tasks = results["tasks"]
-    cells = [c for c in results["cells"] if c["settings"].get("surgery") != "none"]
-    baseline = next((c for c in results["cells"] if c["settings"].get("surgery") == "none"), None)
-    cells_a, cells_b = select(results["cells"], a), select(results["cells"], b)
-    label_a, label_b = config_label(cells_a[0]["settings"]), config_label(cells_b[0]["settings"])
-    parts = [f"# Statistics\n\na = `{label_a}`, b = `{label_b}`; Mean Diff = a − b.\n"]
-    data: dict[str, Any] = {"a": label_a, "b": label_b, "unit": unit}
-    if unit == SEED:
-        tests, rows = compare_seeds(cells_a, cells_b, tasks)
-        parts += ["## Per-seed average (Table 4)\n", seed_table(rows, "a", "b"), ""]
-        data["seeds"] = [{"seed": s, "a": x, "b": y} for s, x, y in rows]
-    elif unit == "item":
-        tests = compare_items(cells_a, cells_b, tasks)
-    else:
-        raise ValueError(f"unit must be 'seed' or 'item', got {unit!r}")
-    parts += [f"## Paired tests over {unit}s (Table 15)\n", paired_table(tests), ""]
-    data["paired"] = [asdict(t) for t in tests]
-    parts += ["## rho_L1 and task score (Table 3)\n", rho_table(cells_a, baseline, tasks, "a"), ""]
-    correlations = rho_correlations(cells, tasks)
-    if correlations:
-        parts += [
-            f"Correlation of rho_L1 with score over all {len(cells)} surgery cells:\n",
-            correlation_table(correlations),
-            "",
-        ]
-    data["correlation"] = [asdict(c) for c in correlations]
-    return "\n".join(parts), data
-
-
-def load_results(results_dir: str | Path) -> dict[str, Any]:
-    """The ``results.json`` a sweep wrote into its output folder."""
-    path = Path(results_dir) / "results.json"
-    if not path.is_file():
-        raise click.ClickException(f"no {path}: run `mergekit-darts sweep` first")
-    return json.loads(path.read_text())
-
-
-@click.command("stats")
-@click.argument("results_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--a", "a", required=True, help="Configuration a, e.g. module=pos_corr,loss=ewl1.")
-@click.option("--b", "b", required=True, help="Configuration b, e.g. module=standard,loss=l1.")
-@click.option(
-    "--unit",
-    type=click.Choice([SEED, "item"]),
-    default=SEED,
-    show_default=True,
-    help="Pair seeds (paper Tables 4, 15) or individual evaluation items.",
-)
-def stats_command(results_dir: Path, a: str, b: str, unit: str) -> None:
-    """Paired t / Wilcoxon tests of a vs b and the rho_L1-score correlation of a sweep."""
-    try:
-        markdown, data = compare_report(
-            load_results(results_dir), parse_selector(a), parse_selector(b), unit
-        )
-    except ValueError as err:
-        raise click.ClickException(str(err)) from err
-    (results_dir / "stats.md").write_text(markdown + "\n")
-    (results_dir / "stats.json").write_text(json.dumps(data, indent=2) + "\n")
-    click.echo(markdown)
-    click.echo(f"wrote {results_dir / 'stats.md'} and stats.json")

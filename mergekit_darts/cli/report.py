@@ -1,6 +1,6 @@
-"""``mergekit-darts report``: the options of ``analysis.report.report_command``, imported on run.
+"""``mergekit-darts report``: the options, then :func:`mergekit_darts.analysis.report.write_report`.
 
-A stand-in so that ``report --help`` needs no matplotlib or torch.
+The library is imported inside the command, so ``--help`` imports no torch or matplotlib.
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ import click
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def command(merged: Path, output: Path | None, recompute: bool, quiet: bool) -> None:
     """Write a markdown + HTML report of MERGED/surgery with plots (paper Figure 1 and more)."""
-    from mergekit_darts.analysis.report import report_command
+    from mergekit_darts.analysis.report import write_report
+    from mergekit_darts.integrations.click_errors import one_line_errors
 
-    report_command.callback(merged, output, recompute, quiet)
+    with one_line_errors():
+        path = write_report(
+            merged, output=output, recompute_diagnostics=recompute, progress=not quiet
+        )
+    click.echo(f"wrote {path} and {path.with_suffix('.html')}")

@@ -1,6 +1,6 @@
-"""``mergekit-darts stats``: the options of ``analysis.stats.stats_command``, imported on run.
+"""``mergekit-darts stats``: options, then :func:`mergekit_darts.analysis.comparison.write_stats`.
 
-A stand-in so that ``stats --help`` needs no scipy.
+The library is imported inside the command, so ``--help`` imports no scipy.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ import click
 )
 def command(results_dir: Path, a: str, b: str, unit: str) -> None:
     """Paired t / Wilcoxon tests of a vs b and the rho_L1-score correlation of a sweep."""
-    from mergekit_darts.analysis.stats import stats_command
+    from mergekit_darts.analysis.comparison import write_stats
+    from mergekit_darts.integrations.click_errors import one_line_errors
 
-    stats_command.callback(results_dir, a, b, unit)
+    with one_line_errors():
+        markdown, path = write_stats(results_dir, a, b, unit)
+    click.echo(markdown)
+    click.echo(f"wrote {path} and stats.json")

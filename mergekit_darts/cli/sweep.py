@@ -1,6 +1,6 @@
-"""``mergekit-darts sweep``: the options of ``analysis.sweep.sweep_command``, imported on run.
+"""``mergekit-darts sweep``: the options, then :func:`mergekit_darts.analysis.sweep.run_spec_file`.
 
-A stand-in so that ``sweep --help`` needs no torch or lm-eval.
+The library is imported inside the command, so ``--help`` imports no torch, lm-eval or plotting.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ def command(spec_path: Path, output: Path | None, cache_dir: Path | None) -> Non
     Finished cells are kept in OUTPUT/cells/<cell>/result.json and skipped when run again; a
     merge grid's merges are written to OUTPUT/merges/<yaml stem>/.
     """
-    from mergekit_darts.analysis.sweep import sweep_command
+    from mergekit_darts.analysis.sweep import run_spec_file
+    from mergekit_darts.integrations.click_errors import one_line_errors
 
-    sweep_command.callback(spec_path, output, cache_dir)
+    with one_line_errors():
+        written = run_spec_file(spec_path, output=output, cache_dir=cache_dir)
+    click.echo(written["markdown"].read_text(encoding="utf-8"))
+    click.echo("wrote " + ", ".join(str(p) for p in written.values()))

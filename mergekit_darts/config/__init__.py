@@ -33,27 +33,33 @@ from mergekit_darts.config.resolve import (
     resolve_tasks,
 )
 from mergekit_darts.config.schema import (
+    OVERRIDABLE,
     CacheDtype,
     CalibrationConfig,
+    Candidate,
     LossName,
     LossPositions,
     ModuleKind,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    StrictBlock,
     SurgeryConfig,
 )
 
 __all__ = [
     "CacheDtype",
     "CalibrationConfig",
+    "Candidate",
     "LossName",
     "LossPositions",
     "ModuleKind",
     "NonNegativeInt",
+    "OVERRIDABLE",
     "PositiveFloat",
     "PositiveInt",
     "ResolvedTask",
+    "StrictBlock",
     "SurgeryConfig",
     "by_files",
     "calibration_file",

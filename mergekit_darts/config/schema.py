@@ -52,11 +52,13 @@ TargetVocab = Literal["exact", "prefix"]
 SelectMetric = Literal["agreement", "kl", "rho_l1"]
 
 
-class _Block(BaseModel):
+class StrictBlock(BaseModel):
+    """A YAML mapping whose unknown keys are errors (a typo must not be silently dropped)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class CalibrationConfig(_Block):
+class CalibrationConfig(StrictBlock):
     """Where a task's calibration prompts come from and how they become token sequences."""
 
     path: str | None = None
@@ -71,7 +73,7 @@ class CalibrationConfig(_Block):
     chat_template: StrictBool = False
 
 
-class Candidate(_Block):
+class Candidate(StrictBlock):
     """Training settings that override the task's: a task's own overrides, or one select candidate."""
 
     module: ModuleKind | None = None
@@ -85,7 +87,7 @@ class Candidate(_Block):
     loss_positions: LossPositions | None = None
 
 
-class SelectConfig(_Block):
+class SelectConfig(StrictBlock):
     """Train every candidate on the prompts not held out; keep the best on the held-out ones."""
 
     candidates: list[Candidate] = Field(min_length=1)
@@ -130,7 +132,7 @@ class TaskConfig(Candidate):
         return tasks
 
 
-class SurgeryConfig(_Block):
+class SurgeryConfig(StrictBlock):
     """The whole block; the training settings here are defaults every task may override."""
 
     module: ModuleKind = "pos_corr"

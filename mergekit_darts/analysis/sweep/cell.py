@@ -1,0 +1,265 @@
+"""One cell of the grid: its settings, id, block and fingerprint; its surgery, score and record.
+
+A cell's surgery is the real post-merge step (``run_surgery``) into the cell's own folder; its
+score is ``lm_eval.simple_evaluate`` through ``hf-darts`` with per-item scores logged, so that
+:mod:`mergekit_darts.analysis.stats` can pair cells. The finished record is ``result.json`` in
+the cell's folder, written atomically: a killed sweep never leaves one that looks finished.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mergekit_darts import fs
+from mergekit_darts.analysis.sweep.spec import BLOCK_KEYS, CALIBRATION_KEYS, EvalSpec, SweepSpec
+from mergekit_darts.calibrate.runtime import release
+from mergekit_darts.calibrate.store import CaptureStore
+from mergekit_darts.config import resolve_device
+from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.manifest import SURGERY_DIR
+
+RESULT = "result.json"
+MERGE = "merge"  # the settings key naming a cell's merge in a merge grid
+BASELINE = {"surgery": "none"}  # the settings of the cell without surgery
+
+
+def cells(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the grid's values, in YAML order (the last key varies fastest)."""
+    return [dict(zip(grid, combo, strict=True)) for combo in itertools.product(*grid.values())]
+
+
+def cell_id(settings: Mapping[str, Any]) -> str:
+    """Folder-safe name of a cell, e.g. ``module-pos_corr__loss-ewl1__seed-0``."""
+    return "__".join(f"{k}-{v}" for k, v in settings.items()) or "default"
+
+
+def cell_block(block: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The surgery block of one cell: the grid's values set on every task (so they win)."""
+    block = copy.deepcopy(dict(block))
+    for key, value in settings.items():
+        if key in BLOCK_KEYS:
+            block[key] = value
+            continue
+        for task in block.get("tasks") or []:
+            if key in CALIBRATION_KEYS:
+                task.setdefault("calibration", {})[key] = value
+            else:
+                task[key] = value
+    return block
+
+
+def fingerprint(*parts: Any) -> str:
+    """sha256 of the JSON of what determines a cell's result: a changed spec reruns the cell."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def is_baseline(settings: Mapping[str, Any]) -> bool:
+    return settings.get("surgery") == BASELINE["surgery"]
+
+
+# --- surgery -------------------------------------------------------------------------------
+
+
+def cell_model_dir(merged: Path, cell_dir: Path) -> Path:
+    """A folder that looks like the merged checkpoint (symlinks) so ``run_surgery`` writes here.
+
+    ``surgery/`` and the model card are not linked: the surgery and its card section of this
+    cell must never land in the user's merged folder.
+    """
+    model = cell_dir / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    for item in merged.iterdir():
+        if item.name in (SURGERY_DIR, "README.md") or item.name.startswith("."):
+            continue
+        link = model / item.name
+        if not link.is_symlink():
+            link.symlink_to(item.resolve(), target_is_directory=item.is_dir())
+    return model
+
+
+def calibrate(merged: Path, cell_dir: Path, block: Mapping[str, Any], store: CaptureStore) -> Path:
+    """Run the real post-merge step for one cell; returns its ``surgery/`` folder.
+
+    The cell's model folder links the merged files, so it has the merged model's identity and
+    its captures come from ``store`` after the first cell: training is all a later cell costs.
+    """
+    from mergekit_darts.integrations.post_merge import run_surgery
+
+    model = cell_model_dir(merged, cell_dir)
+    run_surgery(model, block, overwrite=True, progress=False, write_card=False, store=store)
+    return model / SURGERY_DIR
+
+
+# --- evaluation ----------------------------------------------------------------------------
+
+
+class EvalModel:
+    """One ``hf-darts`` model of a merge, loaded at the first cell that needs it and kept.
+
+    Cells differ only in their surgery modules, which ``DartsHFLM.set_surgery`` swaps; a finished
+    sweep (every cell skipped) loads nothing.
+    """
+
+    def __init__(self, merged: Path, spec: EvalSpec) -> None:
+        self.merged, self.spec = merged, spec
+        self._lm: Any = None
+
+    def get(self, surgery_path: Path | None) -> Any:
+        """The model with ``surgery_path``'s modules routed as under ``auto`` (None: none)."""
+        if self._lm is None:
+            from lm_eval.api.registry import get_model  # hf-darts, by its entry point
+
+            self._lm = get_model("hf-darts").create_from_arg_obj(
+                {"pretrained": str(self.merged), "surgery": "none", **self.spec.model_args},
+                {"batch_size": self.spec.batch_size, "device": resolve_device(self.spec.device)},
+            )
+        if surgery_path is None:
+            self._lm.set_surgery("none")
+        else:
+            self._lm.set_surgery("auto", str(surgery_path), self.spec.surgery_map)
+        return self._lm
+
+    def close(self) -> None:
+        if self._lm is not None:
+            self._lm = None
+            release(resolve_device(self.spec.device))
+
+
+def evaluate(
+    model: EvalModel, surgery_path: Path | None, spec: EvalSpec, task_manager: Any
+) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` with ``hf-darts`` (``surgery=none`` for the baseline)."""
+    import lm_eval
+
+    return lm_eval.simple_evaluate(
+        model=model.get(surgery_path),
+        tasks=list(spec.tasks),
+        num_fewshot=spec.num_fewshot,
+        limit=spec.limit,
+        log_samples=True,
+        bootstrap_iters=0,
+        gen_kwargs=spec.gen_kwargs,
+        apply_chat_template=spec.apply_chat_template,
+        confirm_run_unsafe_code=spec.confirm_run_unsafe_code,
+        task_manager=task_manager,
+        random_seed=spec.random_seed,
+        numpy_random_seed=spec.random_seed,
+        torch_random_seed=spec.random_seed,
+        fewshot_random_seed=spec.random_seed,
+    )
+
+
+def _metric_key(task: str, row: Mapping[str, Any], spec: EvalSpec) -> str:
+    """``metric,filter`` key of ``results[task]``: the configured metric or the task's first."""
+    wanted = spec.metric.get(task) if isinstance(spec.metric, dict) else spec.metric
+    keys = [k for k in row if "," in k and "_stderr" not in k.split(",")[0]]
+    if wanted:
+        hits = [k for k in keys if k == wanted or k.split(",")[0] == wanted]
+        if not hits:
+            raise SurgeryConfigError(
+                f"eval.metric: task {task!r} reports no metric {wanted!r}; it has {', '.join(keys)}"
+            )
+        return hits[0]
+    if not keys:
+        raise SurgeryConfigError(f"eval.tasks: lm-eval returned no metric for task {task!r}")
+    return keys[0]
+
+
+def scores_of(results: Mapping[str, Any], spec: EvalSpec) -> dict[str, Any]:
+    """Aggregate score, metric name and per-item scores of each task (scaled by ``eval.scale``)."""
+    scores, metrics, items = {}, {}, {}
+    for task in spec.tasks:
+        if task not in results["results"]:
+            raise SurgeryConfigError(f"eval.tasks: lm-eval returned no results for {task!r}")
+        row = results["results"][task]
+        key = _metric_key(task, row, spec)
+        metric, _, filt = key.partition(",")
+        scores[task] = spec.scale * float(row[key])
+        metrics[task] = key
+        items[task] = {
+            str(s["doc_id"]): spec.scale * float(s[metric])
+            for s in results.get("samples", {}).get(task, [])
+            if s.get("filter", filt) == filt and metric in s
+        }
+    return {"scores": scores, "metric": metrics, "items": items}
+
+
+def rho_of(surgery_path: Path, spec: EvalSpec) -> tuple[dict[str, float], dict[str, float | None]]:
+    """rho_L1 per surgery task (manifest) and of the module serving each eval task."""
+    from mergekit_darts.artifacts import read_manifest
+    from mergekit_darts.routing import manifest_routes, parse_surgery_map, route
+
+    manifest = read_manifest(surgery_path)
+    rho = {name: float(entry["metrics"]["rho_l1"]) for name, entry in manifest["tasks"].items()}
+    routes = parse_surgery_map(spec.surgery_map) if spec.surgery_map else manifest_routes(manifest)
+    eval_rho = {}
+    for task in spec.tasks:
+        module = route(routes, task)
+        eval_rho[task] = rho.get(module) if module else None
+    return rho, eval_rho
+
+
+# --- the cell and its record ---------------------------------------------------------------
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write-then-rename: a kill mid-write never leaves a half file that looks finished."""
+    fs.write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def load_cell(cell_dir: Path) -> dict[str, Any] | None:
+    """The record of a finished cell, or None."""
+    path = cell_dir / RESULT
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@dataclass
+class Cell:
+    """One unfinished cell between the sweep's two passes."""
+
+    settings: dict[str, Any]
+    block: dict[str, Any] | None  # None: the baseline
+    folder: Path
+    key: str
+    surgery_path: Path | None = None
+    surgery_s: float = 0.0
+
+
+def calibrate_cell(merged: Path, cell: Cell, store: CaptureStore) -> None:
+    """The cell's surgery (none for the baseline), its captures lent by ``store``."""
+    cell.folder.mkdir(parents=True, exist_ok=True)
+    if cell.block is not None:
+        start = time.perf_counter()
+        cell.surgery_path = calibrate(merged, cell.folder, cell.block, store)
+        cell.surgery_s = time.perf_counter() - start
+
+
+def evaluate_cell(spec: SweepSpec, cell: Cell, task_manager: Any, model: EvalModel) -> dict:
+    """Score a calibrated cell and write its ``result.json``."""
+    start = time.perf_counter()
+    results = evaluate(model, cell.surgery_path, spec.eval, task_manager)
+    record: dict[str, Any] = {
+        "cell": cell_id(cell.settings),
+        "settings": dict(cell.settings),
+        "fingerprint": cell.key,
+        **scores_of(results, spec.eval),
+        "rho_l1": {},
+        "eval_rho": {},
+        "seconds": {
+            "surgery": round(cell.surgery_s, 3),
+            "eval": round(time.perf_counter() - start, 3),
+        },
+    }
+    if cell.surgery_path is not None:
+        record["rho_l1"], record["eval_rho"] = rho_of(cell.surgery_path, spec.eval)
+    write_json(cell.folder / RESULT, record)
+    return record
