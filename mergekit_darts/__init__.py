@@ -1,11 +1,25 @@
 """mergekit-darts: decoder-aware representation surgery (DARTS) for merged LLMs.
 
-Data flow: merge YAML -> mergekit merge -> capture hidden states (``capture``) -> train one
-module per task (``train``) -> save into ``out/surgery`` (``artifacts``) -> apply at inference
-(``apply``; lm-eval's ``hf-darts`` uses the same code).
+Data flow: merge YAML -> mergekit merge -> calibrate (capture hidden states, train one module per
+task) -> save into ``out/surgery`` -> load and apply at inference (lm-eval's ``hf-darts``) or
+export (transformers, vLLM). The subpackages read top-down; each imports only those above it:
 
-The public names load lazily (PEP 562): the startup hook imports ``mergekit_darts.hook`` on
-every ``mergekit-yaml`` start, and that must not pull in torch-heavy modules it does not need.
+- ``errors``, ``fs``, ``manifest``, ``routing``: one error root, atomic writes, the file names and
+  typed manifest, which module serves which lm-eval task;
+- ``core``: the modules, losses, metrics and the LM head's real output path (torch only);
+- ``config``: the ``surgery:`` block: schema, resolution, parsing, preflight checks, messages;
+- ``artifacts``, ``apply``: the ``surgery/`` folder written and read; the correction as hooks;
+- ``calibrate``: prompts -> captured hidden states (with a store) -> trained modules -> ``surgery/``;
+- ``integrations``: mergekit's ``run_merge`` and ``mergekit-multi``, the post-merge step, the
+  recorded recipe, the model card;
+- ``deploy``: export (``modeling_darts.py`` is the file shipped inside every export, importing
+  only torch and transformers) and ``vllm_plugin``;
+- ``analysis``: report, plots, statistics, sweeps; ``demo``: the embedded demo;
+- ``cli``: one thin file per command, imported only when that command runs.
+
+The public names load lazily (PEP 562): the startup hook imports
+``mergekit_darts.integrations.mergekit_hook`` on every ``mergekit-yaml`` start, and that must not
+pull in torch-heavy modules it does not need.
 """
 
 from importlib import import_module

@@ -9,7 +9,7 @@ one folder.
 transformers 5 builds ``Qwen2Tokenizer`` (byte-level BPE from vocab + merges) for every
 ``model_type: qwen2`` folder, whatever ``tokenizer_class`` says, so a folder whose
 ``tokenizer.json`` holds another model (e.g. word-level) encodes differently from how it was
-saved (README, Known issues). :func:`tokenizer_mismatch` detects that while the vocabularies are
+saved (docs/known-issues.md). :func:`tokenizer_mismatch` detects that while the vocabularies are
 compared; the fix is a byte-level BPE tokenizer.
 """
 
@@ -196,7 +196,7 @@ def _tokenizer_vocab(ref: str, trust_remote_code: bool) -> dict[str, int] | None
     """The token -> id map, or None when the folder has no tokenizer to compare.
 
     Warns when transformers loads a tokenizer that encodes unlike the folder's tokenizer.json
-    (transformers 5 and ``model_type: qwen2``; README, Known issues): the maps may still agree.
+    (transformers 5 and ``model_type: qwen2``; docs/known-issues.md): the maps may still agree.
     """
     from transformers import AutoTokenizer
 

@@ -5,7 +5,7 @@ before ``mergekit-yaml`` from-imports ``run_merge``. The wrapper reads the raw Y
 passes as ``config_source`` (mergekit's own config model drops unknown keys): without a block it
 calls the stock function untouched; with one it validates the whole block first, merges, then
 runs the surgery on the output folder. Every merge first gets the GPT-NeoX fix of
-:mod:`mergekit_darts.upstream` (README, Known issues).
+:mod:`mergekit_darts.integrations.upstream` (docs/known-issues.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Make ``mergekit-multi`` honour a ``surgery:`` block in any of its stages.
 
 ``mergekit-multi`` merges each YAML document (stage) with ``run_merge`` but passes no
-``config_source``, so the raw block never reaches :mod:`mergekit_darts.hook`. The startup hook
+``config_source``, so the raw block never reaches :mod:`mergekit_darts.integrations.mergekit_hook`. The startup hook
 therefore wraps the command's callback when ``mergekit.scripts.multimerge`` is imported: it reads
 the stages itself, checks every block before the first merge, lets mergekit run every stage, then
 runs each stage's surgery on that stage's output folder. It also turns a bare relative

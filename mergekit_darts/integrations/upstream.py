@@ -1,4 +1,4 @@
-"""Work-arounds for traps in the libraries this package wraps (README, "Known issues").
+"""Work-arounds for traps in the libraries this package wraps (docs/known-issues.md).
 
 - mergekit 0.1.5's ``gpt-neox`` architecture lists three attention buffers as required weights
   (``attention.bias``, ``attention.masked_bias``, ``attention.rotary_emb.inv_freq``) that
