@@ -2,26 +2,24 @@
 
 Everything is validated on load with a one-line error, because a surgery folder travels with a
 merged checkpoint and may meet a model, or a version of this package, it was not made for.
-The folder is written under a temporary name and renamed into place, so readers never see half
-of it.
+The folder is written under a temporary name and renamed into place (``fs.staged_folder``), so
+readers never see half of it.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.fs import staged_folder
 from mergekit_darts.manifest import FORMAT, MANIFEST, VERSION, module_file
 
 
@@ -126,12 +124,7 @@ def write_surgery_folder(
     for name in extra_files or {}:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise ValueError(f"extra file {name!r} must be a relative path inside the folder")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    umask = os.umask(0)  # mkdtemp makes the folder 0700; give it the permissions of a normal mkdir
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)
-    try:
+    with staged_folder(folder) as staging:
         for name, module in modules.items():
             file = module_file(name)
             state = {
@@ -139,26 +132,13 @@ def write_surgery_folder(
                 for k, v in module.state_dict().items()
             }
             # One metadata key only: safetensors writes metadata from a hash map, so two keys
-            # come out in random order and identical runs would give different bytes.
-            save_file(state, staging / file, metadata={"format": FORMAT})
+            # come out in random order and identical runs would give different bytes. Bytes
+            # through a plain write: safetensors' save_file would make the file 0600.
+            (staging / file).write_bytes(save(state, metadata={"format": FORMAT}))
             manifest["tasks"][name]["file"] = file
         for name, data in (extra_files or {}).items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_bytes(data)
         manifest = {"format": FORMAT, "version": VERSION, **manifest}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-        _swap_into_place(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return folder
-
-
-def _swap_into_place(staging: Path, folder: Path) -> None:
-    if not folder.exists():
-        os.replace(staging, folder)
-        return
-    retired = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-    os.replace(folder, retired)
-    os.replace(staging, folder)
-    shutil.rmtree(retired, ignore_errors=True)

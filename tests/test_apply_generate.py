@@ -79,6 +79,16 @@ def test_left_padding_uses_each_sequence_own_positions(setup: tuple, tiny_family
             torch.testing.assert_close(padded[i, -len(alone) :], alone, rtol=0, atol=1e-5)
 
 
+def test_positional_arguments_are_read_by_name(setup: tuple, tiny_family: Any) -> None:
+    """``model(ids, mask)``: the left-padding mask counts even when passed positionally."""
+    model, tokenizer, _, _ = setup
+    batch = tokenizer(tiny_family.prompts[:4], return_tensors="pt", padding=True)
+    assert not batch["attention_mask"].all()
+    with torch.no_grad():
+        positional = model(batch["input_ids"], batch["attention_mask"]).logits
+        assert torch.equal(positional, model(**batch).logits)
+
+
 def test_manual_decoding_with_a_cache_and_no_position_ids(setup: tuple, tiny_family: Any) -> None:
     """Outside ``generate`` nobody passes positions: the cache length must supply them."""
     model, tokenizer, _, _ = setup

@@ -49,6 +49,8 @@ def test_round_trip_is_bit_exact(tmp_path):
     assert manifest["format"] == "darts-surgery" and manifest["version"] == 1
     assert manifest["tasks"]["math"]["file"] == "math.safetensors"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["surgery"]  # no staging left behind
+    mode = (folder / "manifest.json").stat().st_mode  # plain files, not safetensors' 0600
+    assert all((folder / f"{name}.safetensors").stat().st_mode == mode for name in modules)
 
 
 def test_rewrite_replaces_folder_atomically(tmp_path):

@@ -3,7 +3,9 @@
 The surgery folders are written directly (random, non-zero weights in every parameter, position
 rows included), so these tests do not depend on the calibration pipeline. The exported model is
 checked against ``apply_surgery`` on the merged folder and against an independent float64
-computation of the correction written here.
+computation of the correction written here. The shipped file is also the single source of the
+position rule and of the ``darts`` section's check: both are tested here against hand-written
+references and under transformers' ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -24,14 +26,24 @@ import transformers
 import transformers.dynamic_module_utils
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from test_vllm_plugin_light import BAD_SECTIONS
 from tiny import random_module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery
-from mergekit_darts.artifacts import write_surgery_folder
+from mergekit_darts.artifacts import expected_shapes, write_surgery_folder
+from mergekit_darts.calibrate.train import positions_of
 from mergekit_darts.cli import main
 from mergekit_darts.core.modules import MODULE_KINDS
+from mergekit_darts.deploy import modeling_darts
 from mergekit_darts.deploy.export import MODELING_FILE, export
+from mergekit_darts.deploy.modeling_darts import (
+    DartsSurgery,
+    call_positions,
+    darts_section,
+    head_positions,
+    token_positions,
+)
 
 RANK, MAX_POSITIONS = 4, 8  # the test prompts run past 8 tokens: positions off the table too
 STEPS = 6
@@ -362,6 +374,95 @@ def test_lm_eval_hf_on_the_export_equals_hf_darts(merged: Path, exported: Path) 
     assert max(gaps) > 0.1  # and the correction changes them
 
 
+# ---- the rules the shipped file is the single source of --------------------------------------------
+
+
+MASKS = {
+    "left": torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1]]),
+    "right": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]]),
+}
+
+
+@pytest.mark.parametrize("side", list(MASKS))
+@pytest.mark.parametrize("dtype", [torch.long, torch.bool])
+def test_token_positions_count_real_tokens(side: str, dtype: torch.dtype) -> None:
+    mask = MASKS[side].to(dtype)
+    expected = positions_by_hand(mask)
+    assert positions_of is token_positions  # calibration trains with the rule it ships
+    assert torch.equal(token_positions(mask), expected)
+    for width in (1, 2, 5):  # decoding after a cached past: the mask covers past + new tokens
+        assert torch.equal(token_positions(mask, (3, width)), expected[:, -width:])
+
+
+def test_token_positions_without_a_mask_come_from_the_cache_length() -> None:
+    class Cache:
+        def get_seq_length(self) -> int:
+            return 7
+
+    for past, width in ((0, 4), (7, 1), (7, 3)):
+        by_hand = [[past + t for t in range(width)] for _ in range(2)]
+        assert token_positions(None, (2, width), past_length=past).tolist() == by_hand
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    for key in ("cache", "past_key_values"):  # transformers 5.2x's name, and 5.19's
+        assert call_positions({"input_ids": ids, key: Cache()}).tolist() == [[7, 8, 9]] * 2
+    assert call_positions({"inputs_embeds": torch.zeros(2, 3, 8)}).tolist() == [[0, 1, 2]] * 2
+    given = torch.tensor([[4, 5, 6]])  # the model's own position_ids win over the cache length
+    assert (
+        call_positions({"input_ids": ids, "position_ids": given, "cache": Cache()}).tolist()
+        == [[4, 5, 6]] * 2
+    )
+    mask = MASKS["left"][:2]  # and a 2-D mask wins over both
+    arguments = {"input_ids": ids, "attention_mask": mask, "position_ids": given, "cache": Cache()}
+    assert torch.equal(call_positions(arguments), positions_by_hand(mask)[:, -3:])
+    assert call_positions({"attention_mask": mask}) is None
+
+
+def test_head_positions_cut_as_the_model_cuts_its_hidden_states() -> None:
+    positions = positions_by_hand(MASKS["left"])
+    h = torch.zeros(3, 6, 8)
+    assert torch.equal(head_positions(positions, 0, h), positions)
+    assert torch.equal(head_positions(positions, 2, h[:, -2:]), positions[:, -2:])
+    index = torch.tensor([0, 3, 5])
+    assert torch.equal(head_positions(positions, index, h[:, index]), positions[:, index])
+    with pytest.raises(RuntimeError, match="not supported") as info:
+        head_positions(positions, 2, h)
+    assert "\n" not in str(info.value)
+
+
+def test_shipped_module_has_the_state_dicts_of_mergekit_darts_modules() -> None:
+    assert modeling_darts.MODULE_KINDS == MODULE_KINDS
+    for kind in MODULE_KINDS:
+        module = DartsSurgery(kind, 64, RANK, MAX_POSITIONS)
+        shapes = {k: tuple(v.shape) for k, v in sorted(module.state_dict().items())}
+        assert shapes == expected_shapes(kind, 64, RANK, MAX_POSITIONS)
+
+
+@pytest.mark.parametrize("change, message", BAD_SECTIONS)
+def test_a_bad_darts_section_fails_under_transformers_as_under_vllm(
+    change: dict, message: str, exported: Path, tmp_path: Path
+) -> None:
+    folder = Path(shutil.copytree(exported / "pos_corr", tmp_path / "bad", symlinks=True))
+    config = json.loads((folder / "config.json").read_text())
+    config["darts"].update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message) as checked:
+        darts_section(config)
+    for loader in (AutoModelForCausalLM, AutoConfig):
+        with pytest.raises(ValueError) as info:
+            loader.from_pretrained(folder, trust_remote_code=True)
+        assert str(info.value) == str(checked.value)  # one line, the same as vLLM's
+
+
+def test_a_section_that_does_not_fit_the_model_is_refused(exported: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(exported / "pos_corr", tmp_path / "bad", symlinks=True))
+    config = json.loads((folder / "config.json").read_text())
+    config["darts"]["hidden_size"] = 32
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="darts.hidden_size 32 does not match") as info:
+        load(folder)
+    assert "\n" not in str(info.value)
+
+
 # ---- other architectures: tied embeddings, logit softcapping, sharded weights ----------------------
 
 
@@ -441,6 +542,8 @@ def test_all_writes_one_folder_per_task(merged: Path, exported: Path) -> None:
         assert surgery == set(load_file(exported / kind / "darts_surgery.safetensors"))
         assert all(k.startswith("darts_surgery.") for k in surgery)
         assert not (exported / kind / "model.safetensors").exists()  # would shadow the index
+        mode = (exported / kind / "config.json").stat().st_mode  # a plain file's, not 0600
+        assert (exported / kind / "darts_surgery.safetensors").stat().st_mode == mode
 
 
 def test_model_card(exported: Path) -> None:

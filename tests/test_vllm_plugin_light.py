@@ -1,5 +1,8 @@
 """The vLLM plugin's parts that need no vLLM: a light entry point and the ``darts`` config type.
 
+The ``darts`` section's check is the shipped ``modeling_darts.py``'s; ``test_export.py`` puts the
+same bad sections through transformers' ``from_pretrained``.
+
 The engine-side tests (log-probs under batching, ``lm_eval --model vllm``, ``vllm serve``) live
 in ``tests_vllm/`` and run in their own virtualenv with ``make test-vllm``.
 """
@@ -7,6 +10,7 @@ in ``tests_vllm/`` and run in their own virtualenv with ``make test-vllm``.
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 import subprocess
 import sys
@@ -17,6 +21,7 @@ from typing import Any
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from mergekit_darts.deploy import modeling_darts
 from mergekit_darts.vllm_plugin.config import DartsConfig, darts_section
 
 ROOT = Path(__file__).parents[1]
@@ -70,25 +75,30 @@ def test_darts_config_is_the_base_config_plus_the_darts_section() -> None:
         AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"format": "other"}, "no 'darts-export' section"),
-        ({"version": 2}, "version 2"),
-        ({"base_model_type": "nonexistent"}, "base_model_type 'nonexistent'"),
-        ({"base_model_type": "darts"}, "base_model_type 'darts'"),
-        ({"module": "bogus"}, "darts.module 'bogus'"),
-        ({"rank": 0}, "positive integers"),
-        ({"hidden_size": "64"}, "positive integers"),
-        ({"prefix": ""}, "prefix"),
-    ],
-)
+BAD_SECTIONS = [
+    ({"format": "other"}, "no 'darts-export' section"),
+    ({"version": 2}, "version 2"),
+    ({"base_model_type": "nonexistent"}, "base_model_type 'nonexistent'"),
+    ({"base_model_type": "darts"}, "base_model_type 'darts'"),
+    ({"base_architecture": None}, "no base_architecture"),
+    ({"module": "bogus"}, "darts.module 'bogus'"),
+    ({"rank": 0}, "positive integers"),
+    ({"hidden_size": "64"}, "positive integers"),
+    ({"prefix": ""}, "prefix"),
+    ({"prefix": "other."}, "prefix 'other.'"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD_SECTIONS)
 def test_a_bad_darts_section_gets_a_one_line_error(change: dict, message: str) -> None:
+    assert darts_section is modeling_darts.darts_section  # the plugin checks what transformers does
     config = exported_config()
     config["darts"].update(change)
     with pytest.raises(ValueError, match=message) as info:
         darts_section(config)
     assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=message):
+        DartsConfig.from_dict(config)
 
 
 def test_no_darts_section_at_all() -> None:
@@ -96,3 +106,27 @@ def test_no_darts_section_at_all() -> None:
     del config["darts"]
     with pytest.raises(ValueError, match="mergekit-darts export"):
         DartsConfig.from_dict(config)
+
+
+HEAVY = {"rich", "click", "pydantic", "mergekit", "lm_eval", "lm_eval_darts"}
+SHIPPED = "mergekit_darts.deploy.modeling_darts"
+
+
+@pytest.mark.parametrize(
+    "module, loaded",
+    [
+        (SHIPPED, {"mergekit_darts.deploy"}),
+        (
+            "mergekit_darts.vllm_plugin.config",
+            {"mergekit_darts.deploy", SHIPPED, "mergekit_darts.vllm_plugin"},
+        ),
+    ],
+)
+def test_the_shipped_file_and_the_plugin_config_load_nothing_else(module: str, loaded: set) -> None:
+    """Every vLLM worker imports the config: none of the CLI's or the calibration's libraries."""
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    modules = set(json.loads(out.stdout))
+    assert not {name.split(".")[0] for name in modules} & HEAVY
+    ours = {name for name in modules if name.split(".")[0] == "mergekit_darts"}
+    assert ours == {"mergekit_darts", module} | loaded

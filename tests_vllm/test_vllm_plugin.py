@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,7 +134,7 @@ def test_surgery_tensors_that_do_not_fit_the_config_are_refused() -> None:
     from mergekit_darts.vllm_plugin.model import SURGERY, darts_model_class
 
     cls = darts_model_class("LlamaForCausalLM")
-    model = SimpleNamespace(_darts_prefix="darts_surgery.")
+    model = SimpleNamespace()
     setattr(model, SURGERY, random_module(seed=3))
     wrong_rank = {k: v for k, v in random_module(seed=3).state_dict().items()}
     wrong_rank["down.weight"] = torch.zeros(RANK + 1, HIDDEN)
@@ -142,3 +144,28 @@ def test_surgery_tensors_that_do_not_fit_the_config_are_refused() -> None:
     fitting = random_module(seed=4).state_dict()
     assert cls._load_surgery(model, fitting) == {f"{SURGERY}.{k}" for k in fitting}
     assert torch.equal(getattr(model, SURGERY).position_bias, fitting["position_bias"])
+
+
+IMPORTS = """
+import json, sys
+import vllm
+from vllm import ModelRegistry
+from vllm.sequence import IntermediateTensors
+before = set(sys.modules)
+import mergekit_darts.vllm_plugin.model
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_the_model_module_loads_nothing_but_the_shipped_file() -> None:
+    """Beyond vLLM's own imports: no CLI, calibration or lm-eval libraries in vLLM's workers."""
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True
+    )
+    assert set(json.loads(out.stdout.splitlines()[-1])) == {
+        "mergekit_darts",
+        "mergekit_darts.deploy",
+        "mergekit_darts.deploy.modeling_darts",
+        "mergekit_darts.vllm_plugin",
+        "mergekit_darts.vllm_plugin.model",
+    }

@@ -14,6 +14,7 @@ from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.core import losses
 from mergekit_darts.core.metrics import delta, rho_l1
 from mergekit_darts.core.modules import SurgeryModule
+from mergekit_darts.deploy.modeling_darts import token_positions as positions_of
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,6 @@ class TrainResult:
     @property
     def final_loss(self) -> float:
         return self.loss_curve[-1] if self.loss_curve else float("nan")
-
-
-def positions_of(mask: torch.Tensor) -> torch.Tensor:
-    """Absolute position of each token in its own sequence (pads: -1), for any padding side."""
-    pos = mask.to(torch.long).cumsum(-1) - 1
-    return pos.masked_fill(~mask.to(torch.bool), -1)
 
 
 def _batch_loss(

@@ -4,11 +4,13 @@ The result loads with ``AutoModelForCausalLM.from_pretrained(DEST, trust_remote_
 where mergekit-darts is not installed: ``config.json`` gets a model_type of its own (``darts``, so
 loading without ``trust_remote_code`` fails instead of silently dropping the correction) and an
 ``auto_map`` to the shipped ``modeling_darts.py``; the surgery tensors sit in their own file that
-the weight index lists next to the merged shards. The vLLM plugin reads the same layout (README,
-"Deploy").
+the weight index lists next to the merged shards. The vLLM plugin reads the same layout
+(docs/deploy.md).
 
-Every input is checked before anything is written; the folder is built under a temporary name
-next to DEST and renamed into place, so a failed export leaves nothing behind.
+The format (``config.json``'s ``darts`` section, file and tensor names, ``auto_map``) is defined
+by the shipped file itself, which checks it again on load. Every input is checked before anything
+is written; the folder is built under a temporary name next to DEST and renamed into place
+(``fs.staged_folder``), so a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,26 +26,22 @@ from typing import Any
 import torch
 import transformers
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from mergekit_darts.artifacts import load_surgery, read_manifest, resolve_task
-from mergekit_darts.deploy import LINKS
-from mergekit_darts.errors import ExportError, SurgeryFormatError
+from mergekit_darts.deploy import LINKS, modeling_darts
+from mergekit_darts.deploy.modeling_darts import MODEL_TYPE, PREFIX, SURGERY_FILE, export_config
+from mergekit_darts.errors import ExportError
+from mergekit_darts.fs import staged_folder
 from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS
+from mergekit_darts.manifest import RECIPE, surgery_dir
 
-MODELING_FILE = Path(__file__).with_name("modeling_darts.py")
-SURGERY_FILE = "darts_surgery.safetensors"
-PREFIX = "darts_surgery."
+MODELING_FILE = Path(modeling_darts.__file__)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # transformers prefers model.safetensors over the index, which would skip the surgery tensors:
 # a single-file merge is therefore exported under a shard name the index points to.
 SINGLE_AS_SHARD = "model-00001-of-00001.safetensors"
-FORMAT, VERSION = "darts-export", 1
-AUTO_MAP = {
-    "AutoConfig": "modeling_darts.DartsConfig",
-    "AutoModelForCausalLM": "modeling_darts.DartsForCausalLM",
-}
 _NOT_COPIED = {"config.json", "README.md", INDEX}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
@@ -65,30 +62,21 @@ def export(
         raise ExportError(f"unknown --link {link!r}; choose one of {', '.join(LINKS)}")
     out, dest = Path(out_path), Path(os.path.abspath(dest))  # abspath: "." and "x/" have names
     source = _Source.read(out)
-    tasks = list(source.manifest["tasks"]) if all_tasks else [_task(source, task)]
+    if all_tasks:
+        tasks = list(source.manifest["tasks"])
+    else:
+        tasks = [resolve_task(source.manifest, task, source.surgery)]
     _check_dest(dest)
     if link == "hardlink":
         _check_same_filesystem(source, dest)
-    try:
-        modules = {name: load_surgery(source.surgery, name) for name in tasks}
-    except SurgeryFormatError as err:
-        raise ExportError(str(err)) from err
+    modules = {name: load_surgery(source.surgery, name) for name in tasks}
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it 0700; a normal mkdir would not
-    try:
+    with staged_folder(dest, replace=False) as staging:
         for name, module in modules.items():
             folder = staging / name if all_tasks else staging
             folder.mkdir(exist_ok=True)
             shown = f"{dest.name}/{name}" if all_tasks else dest.name
             _write_folder(folder, source, name, module.state_dict(), link, shown)
-        if dest.exists():
-            dest.rmdir()  # checked empty above; os.replace needs it gone on every platform
-        os.replace(staging, dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return [dest / name for name in tasks] if all_tasks else [dest]
 
 
@@ -100,7 +88,7 @@ class _Source:
 
     def __init__(self, out: Path, config: dict[str, Any], weight_map: dict[str, str]):
         self.out, self.config, self.weight_map = out, config, weight_map
-        self.surgery = out / "surgery"
+        self.surgery = surgery_dir(out)
         self.manifest = read_manifest(self.surgery)
 
     @classmethod
@@ -114,7 +102,7 @@ class _Source:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ExportError(f"{out / 'config.json'} is not valid JSON ({err})") from err
         model_type, architectures = config.get("model_type"), config.get("architectures")
-        if model_type == "darts":
+        if model_type == MODEL_TYPE:
             raise ExportError(
                 f"{out} is already a DARTS export: pass the merged folder it came from"
             )
@@ -125,15 +113,12 @@ class _Source:
                 f"{out} is a {architectures[0]} from custom code; export supports the decoders "
                 "transformers itself ships (the exported folder builds on transformers' class)"
             )
-        if not (out / "surgery").is_dir():
+        if not surgery_dir(out).is_dir():
             raise ExportError(
                 f"{out} has no surgery/ folder: run `mergekit-darts calibrate {out} SURGERY_YML` "
                 "(or merge with a surgery: block) first"
             )
-        try:
-            source = cls(out, config, _weight_map(out))
-        except SurgeryFormatError as err:
-            raise ExportError(str(err)) from err
+        source = cls(out, config, _weight_map(out))
         hidden = config.get("hidden_size")
         if hidden is not None and hidden != source.manifest.get("hidden_size"):
             raise ExportError(
@@ -184,13 +169,6 @@ def _tensor_bytes(file: Path) -> dict[str, int]:
         raise ExportError(f"{file} is not a readable safetensors file ({err})") from err
 
 
-def _task(source: _Source, task: str | None) -> str:
-    try:
-        return resolve_task(source.manifest, task, source.surgery)
-    except SurgeryFormatError as err:
-        raise ExportError(str(err)) from err
-
-
 def _check_dest(dest: Path) -> None:
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise ExportError(f"{dest} exists and is not a folder: choose a new DEST")
@@ -233,39 +211,25 @@ def _write_folder(
     tensors = {
         PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()
     }
-    save_file(tensors, folder / SURGERY_FILE, metadata={"format": "pt"})
-    os.chmod(folder / SURGERY_FILE, 0o666 & ~_umask())  # safetensors writes it 0600
+    # bytes through a plain write: safetensors' save_file would make the file 0600
+    (folder / SURGERY_FILE).write_bytes(save(tensors, metadata={"format": "pt"}))
     weight_map = {name: renamed.get(file, file) for name, file in source.weight_map.items()}
     weight_map |= dict.fromkeys(sorted(tensors), SURGERY_FILE)
     total = sum(sum(_tensor_bytes(folder / f).values()) for f in sorted(set(weight_map.values())))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     entry = source.manifest["tasks"][task]
-    config = dict(source.config)
-    config["architectures"] = ["Darts" + source.config["architectures"][0]]
-    config["model_type"] = "darts"
-    config["auto_map"] = dict(AUTO_MAP)
-    config["darts"] = {
-        "format": FORMAT,
-        "version": VERSION,
-        "base_model_type": source.config["model_type"],
-        "base_architecture": source.config["architectures"][0],
-        "task": task,
-        "module": entry["module"],
-        "rank": int(entry["rank"]),
-        "max_positions": int(entry["max_positions"]),
-        "hidden_size": int(source.manifest["hidden_size"]),
-        "prefix": PREFIX,
-    }
+    config = export_config(
+        source.config,
+        task=task,
+        module=entry["module"],
+        rank=int(entry["rank"]),
+        max_positions=int(entry["max_positions"]),
+        hidden_size=int(source.manifest["hidden_size"]),
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
     (folder / "README.md").write_text(model_card(source, task, shown), encoding="utf-8")
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def _place(src: Path, dst: Path, link: str) -> None:
@@ -355,7 +319,7 @@ def model_card(source: _Source, task: str, name: str) -> str:
 def _merge_config(out: Path) -> tuple[str | None, bool, list[str]]:
     """The merge YAML mergekit left in the folder, whether it has a base model, and the models it
     names (base model first)."""
-    file = out / "mergekit_config.yml"
+    file = out / RECIPE
     if not file.is_file():
         return None, False, []
     text = file.read_text(encoding="utf-8")

