@@ -129,8 +129,8 @@ class LeakageCheck:
     def _load(self, folder: Path, module: str) -> CalibrationGrams | None:
         key = (folder, module)
         if key not in self._grams:
-            entry = read_manifest(folder)["tasks"].get(module, {})
-            path = folder / entry["diagnostics"] if entry.get("diagnostics") else None
+            entry = read_manifest(folder).tasks.get(module)
+            path = folder / entry.diagnostics if entry and entry.diagnostics else None
             if path is None or not path.is_file():
                 log.info("hf-darts: no calibration diagnostics for %r: leakage not checked", module)
                 self._grams[key] = None

@@ -88,7 +88,7 @@ class SurgeryPlan:
             raise ValueError(f"surgery_map applies to surgery=auto, not to surgery={surgery}")
         folder = Path(surgery_path or default_surgery_path(pretrained, subfolder, revision))
         manifest = read_manifest(folder)
-        names = tuple(manifest["tasks"])
+        names = tuple(manifest.tasks)
         if keyword is None and surgery_map is None:
             if len(names) > 1:
                 raise ValueError(

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.fs import staged_folder
-from mergekit_darts.manifest import FORMAT, MANIFEST, VERSION, module_file
+from mergekit_darts.manifest import FORMAT, MANIFEST, VERSION, Manifest, module_file
 
 
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
@@ -29,8 +29,8 @@ def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) 
     return {name: tuple(t.shape) for name, t in sorted(module.state_dict().items())}
 
 
-def read_manifest(folder: str | Path) -> dict[str, Any]:
-    """Read and check ``manifest.json``'s format, version and task entries."""
+def read_manifest(folder: str | Path) -> Manifest:
+    """Read and check ``manifest.json``: format, version, and the types of what code reads."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
@@ -50,23 +50,23 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
         )
     if not isinstance(manifest.get("tasks"), dict) or not manifest["tasks"]:
         raise SurgeryFormatError(f"{path} lists no surgery tasks")
-    return manifest
+    return Manifest.from_dict(manifest, where=str(path))
 
 
 def task_names(folder: str | Path) -> list[str]:
-    return list(read_manifest(folder)["tasks"])
+    return list(read_manifest(folder).tasks)
 
 
-def resolve_task(manifest: Mapping[str, Any], task: str | None, folder: Path) -> str:
+def resolve_task(manifest: Manifest, task: str | None, folder: Path) -> str:
     """The task to load: the one asked for, or the only one there is."""
-    names = list(manifest["tasks"])
+    names = list(manifest.tasks)
     if task is None:
         if len(names) == 1:
             return names[0]
         raise SurgeryFormatError(
             f"{folder} holds several surgery tasks ({', '.join(names)}): choose one"
         )
-    if task not in manifest["tasks"]:
+    if task not in manifest.tasks:
         raise SurgeryFormatError(
             f"no surgery task {task!r} in {folder}; available: {', '.join(names)}"
         )
@@ -78,13 +78,12 @@ def load_surgery(folder: str | Path, task: str | None = None) -> SurgeryModule:
     folder = Path(folder)
     manifest = read_manifest(folder)
     task = resolve_task(manifest, task, folder)
-    entry = manifest["tasks"][task]
-    try:
-        kind, rank, max_positions = entry["module"], int(entry["rank"]), int(entry["max_positions"])
-        hidden_size = int(manifest["hidden_size"])
-        file = folder / entry["file"]
-    except (KeyError, TypeError, ValueError) as err:
-        raise SurgeryFormatError(f"manifest entry of task {task!r} is incomplete: {err}") from err
+    entry = manifest.tasks[task]
+    kind, rank, max_positions = entry.module, entry.rank, entry.max_positions
+    hidden_size = manifest.hidden_size
+    if entry.file is None:
+        raise SurgeryFormatError(f"manifest entry of task {task!r} names no file")
+    file = folder / entry.file
     if not file.is_file():
         raise SurgeryFormatError(f"surgery file {file} of task {task!r} is missing")
     try:
@@ -109,18 +108,21 @@ def load_surgery(folder: str | Path, task: str | None = None) -> SurgeryModule:
 def write_surgery_folder(
     folder: str | Path,
     modules: Mapping[str, SurgeryModule],
-    manifest: dict[str, Any],
+    manifest: Manifest | Mapping[str, Any],
     *,
     extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Write modules + manifest to ``folder`` atomically (temporary sibling, then rename).
 
-    ``manifest["tasks"][name]`` must exist for every module; its ``file`` field is filled in here.
+    ``manifest`` (typed, or its dict form) has an entry for every module; each entry's ``file`` is
+    filled in here.
     ``extra_files`` (relative name -> bytes: diagnostics, the surgery YAML) land in the same
     staging folder, so they appear together with the modules or not at all.
     An existing ``folder`` is replaced only after the new one is complete.
     """
     folder = Path(folder)
+    if not isinstance(manifest, Manifest):
+        manifest = Manifest.from_dict(manifest, where="the manifest to write")
     for name in extra_files or {}:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise ValueError(f"extra file {name!r} must be a relative path inside the folder")
@@ -135,10 +137,10 @@ def write_surgery_folder(
             # come out in random order and identical runs would give different bytes. Bytes
             # through a plain write: safetensors' save_file would make the file 0600.
             (staging / file).write_bytes(save(state, metadata={"format": FORMAT}))
-            manifest["tasks"][name]["file"] = file
+            manifest.tasks[name].file = file
         for name, data in (extra_files or {}).items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_bytes(data)
-        manifest = {"format": FORMAT, "version": VERSION, **manifest}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        text = json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n"
+        (staging / MANIFEST).write_text(text)
     return folder

@@ -8,12 +8,13 @@ hashes, metrics, timings), the block as run (``surgery.yml``), per-task diagnost
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.routing import check_task_name
 
 BLOCK_KEY = "surgery"  # the merge YAML's key for the block
 SURGERY_DIR = "surgery"  # the folder inside a merged model
@@ -54,23 +55,36 @@ class TaskEntry(_Record):
     """One task's module: what ``load_surgery`` needs, what it serves, and how it was made."""
 
     module: str
+    loss: str | None = None
     rank: int
     max_positions: int
-    file: str | None = None  # filled in by the writer: the module's file inside surgery/
-    loss: str | None = None
     steps: int | None = None
     lr: float | None = None
     batch_size: int | None = None
     seed: int | None = None
+    loss_positions: str | None = None
     target: str | None = None
     eval_tasks: list[str] = Field(default_factory=list)
-    loss_positions: str | None = None
     calibration: dict[str, Any] = Field(default_factory=dict)
     metrics: dict[str, Any] = Field(default_factory=dict)
     timings: dict[str, float] = Field(default_factory=dict)
     diagnostics: str | None = None
     held_out: dict[str, Any] | None = None
     selection: dict[str, Any] | None = None
+    file: str | None = None  # filled in by the writer: the module's file inside surgery/
+
+    @field_validator("file", "diagnostics")
+    @classmethod
+    def _inside_surgery(cls, name: str | None, info: ValidationInfo) -> str | None:
+        # Manifests travel with downloaded merges: a path may not point outside surgery/.
+        if name is None:
+            return None
+        parts = PurePosixPath(name).parts
+        plain = info.field_name == "file"
+        if "\\" in name or name.startswith("/") or ".." in parts or (plain and len(parts) != 1):
+            where = "a plain file name" if plain else "a relative path"
+            raise ValueError(f"{name!r} must be {where} inside surgery/")
+        return name
 
     def served(self, name: str) -> list[str]:
         """The lm-eval tasks this module serves: ``eval_tasks``, or its own name."""
@@ -91,6 +105,20 @@ class Manifest(_Record):
     timings: dict[str, float] = Field(default_factory=dict)
     captures: dict[str, int] = Field(default_factory=dict)
     tasks: dict[str, TaskEntry]
+
+    @field_validator("config")
+    @classmethod
+    def _plain_config(cls, name: str | None) -> str | None:
+        if name is not None and (PurePosixPath(name).name != name or name in (".", "..")):
+            raise ValueError(f"{name!r} must be a plain file name inside surgery/")
+        return name
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, tasks: dict[str, TaskEntry]) -> dict[str, TaskEntry]:
+        for name in tasks:
+            check_task_name(name)
+        return tasks
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = MANIFEST) -> Manifest:

@@ -9,14 +9,32 @@ checks all use these functions.
 from __future__ import annotations
 
 import fnmatch
+import string
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mergekit_darts.errors import SurgeryFormatError
+
+if TYPE_CHECKING:
+    from mergekit_darts.manifest import Manifest
 
 NONE = "none"  # no correction
 AUTO = "auto"  # one module per request, chosen by its lm-eval task
 RESERVED_TASK_NAMES = (NONE, AUTO)  # values of hf-darts' ``surgery=`` with their own meaning
+TASK_NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "_.-")
+
+
+def check_task_name(name: str) -> str:
+    """A surgery task name, or ``ValueError``: it becomes a file name and a value inside
+    lm-eval's comma-split ``--model_args``, and manifests travel with downloaded merges."""
+    if not name or not name[0].isalnum() or not set(name) <= TASK_NAME_CHARACTERS:
+        raise ValueError(
+            f"{name!r} is not a valid task name; use letters, digits, '_', '.', '-' and "
+            "start with a letter or digit"
+        )
+    if name.lower() in RESERVED_TASK_NAMES:
+        raise ValueError(f"{name!r} is reserved by hf-darts (surgery=none|auto); rename it")
+    return name
 
 
 def parse_surgery_map(value: str | Mapping[str, Any]) -> dict[str, str]:
@@ -71,9 +89,9 @@ def eval_task_routes(claims: Iterable[tuple[str, Sequence[str] | None]]) -> dict
     return routes
 
 
-def manifest_routes(manifest: Mapping[str, Any]) -> dict[str, str]:
+def manifest_routes(manifest: Manifest) -> dict[str, str]:
     """{lm-eval task: surgery task} from each manifest task's ``eval_tasks`` (default: its name)."""
-    claims = ((name, entry.get("eval_tasks")) for name, entry in manifest["tasks"].items())
+    claims = ((name, entry.eval_tasks) for name, entry in manifest.tasks.items())
     try:
         return eval_task_routes(claims)
     except DoubleClaim as claim:

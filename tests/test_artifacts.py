@@ -46,8 +46,8 @@ def test_round_trip_is_bit_exact(tmp_path):
         for key, value in original.state_dict().items():
             assert torch.equal(loaded.state_dict()[key], value)
     manifest = read_manifest(folder)
-    assert manifest["format"] == "darts-surgery" and manifest["version"] == 1
-    assert manifest["tasks"]["math"]["file"] == "math.safetensors"
+    assert manifest.format == "darts-surgery" and manifest.version == 1
+    assert manifest.tasks["math"].file == "math.safetensors"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["surgery"]  # no staging left behind
     mode = (folder / "manifest.json").stat().st_mode  # plain files, not safetensors' 0600
     assert all((folder / f"{name}.safetensors").stat().st_mode == mode for name in modules)
@@ -115,3 +115,27 @@ def test_failed_write_leaves_old_folder(tmp_path):
         write_surgery_folder(folder, {"code": _module()}, {"hidden_size": H, "tasks": {}})
     assert (folder / "math.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["surgery"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m["tasks"].update({"../escaped": m["tasks"]["math"]}), "not a valid task name"),
+        (lambda m: m["tasks"].update({"auto": m["tasks"]["math"]}), "reserved by hf-darts"),
+        (lambda m: m["tasks"]["math"].update(file="/etc/passwd"), "must be a plain file name"),
+        (lambda m: m["tasks"]["math"].update(file="../math.safetensors"), "plain file name"),
+        (lambda m: m["tasks"]["math"].update(file="sub/math.safetensors"), "plain file name"),
+        (lambda m: m["tasks"]["math"].update(diagnostics="../../x.safetensors"), "relative path"),
+        (lambda m: m.update(config="/tmp/surgery.yml"), "plain file name inside surgery/"),
+    ],
+)
+def test_crafted_manifests_cannot_point_outside_surgery(tmp_path, edit, message):
+    """Manifests travel with downloaded merges: names and files stay inside surgery/."""
+    folder = _write(tmp_path / "surgery", {"math": _module()})
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(SurgeryFormatError, match=message) as err:
+        load_surgery(folder, "math")
+    assert "\n" not in str(err.value) and str(path) in str(err.value)

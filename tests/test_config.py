@@ -28,6 +28,7 @@ from mergekit_darts.calibrate.pipeline import prepare_surgery
 from mergekit_darts.config import parse_surgery, read_surgery_file, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError
 from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
+from mergekit_darts.manifest import Manifest
 from mergekit_darts.routing import DoubleClaim, eval_task_routes, manifest_routes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -406,7 +407,9 @@ def test_block_and_manifest_share_the_routing_rule():
     with pytest.raises(DoubleClaim) as info:
         eval_task_routes(claims)
     assert (info.value.eval_task, info.value.first, info.value.second) == ("gsm8k", "math", "math2")
-    manifest = {"tasks": {name: {"eval_tasks": tasks} for name, tasks in claims}}
+    entry = {"module": "pos_corr", "rank": 2, "max_positions": 4}
+    tasks = {name: {**entry, "eval_tasks": tasks or []} for name, tasks in claims}
+    manifest = Manifest.from_dict({"hidden_size": 8, "tasks": tasks})
     with pytest.raises(SurgeryFormatError, match="'gsm8k' is served by surgery tasks 'math' and"):
         manifest_routes(manifest)
     block = {

@@ -662,3 +662,16 @@ def test_a_failure_while_writing_leaves_nothing(
     with pytest.raises(OSError, match="disk full"):
         export(merged, tmp_path / "dest", "add", link="copy")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_crafted_task_name_cannot_write_beside_dest(merged: Path, tmp_path: Path) -> None:
+    """A manifest naming a task ``../escaped`` is refused before anything is written."""
+    out = tmp_path / "merged"
+    shutil.copytree(merged, out, symlinks=True)
+    path = out / "surgery" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["tasks"]["../escaped"] = manifest["tasks"].pop("add")
+    path.write_text(json.dumps(manifest))
+    dest = tmp_path / "exports" / "dest"
+    assert "not a valid task name" in fail(str(out), "--all", str(dest))
+    assert not (tmp_path / "exports").exists()

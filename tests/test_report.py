@@ -93,7 +93,7 @@ def test_recompute_reproduces_stored_diagnostics_and_adds_entropy(surgery_folder
     surgery = surgery_folder / "surgery"
     manifest = read_manifest(surgery)
     fresh = recompute(surgery_folder, manifest, progress=False)
-    for task, entry in manifest["tasks"].items():
+    for task, entry in manifest.tasks.items():
         stored = load_diagnostics(surgery, entry)
         np.testing.assert_array_equal(fresh[task].mask, stored.mask)
         np.testing.assert_array_equal(fresh[task].loss_mask, stored.loss_mask)

@@ -180,10 +180,11 @@ def test_printed_summary_shows_every_candidate_and_the_kept_one(selected):
     from rich.console import Console
 
     from mergekit_darts.integrations.card import print_summary
+    from mergekit_darts.manifest import Manifest
 
     _, _, manifest = selected
     out = StringIO()
-    print_summary(manifest, Console(file=out, width=140))
+    print_summary(Manifest.from_dict(manifest), Console(file=out, width=140))
     text = out.getvalue()
     selection = manifest["tasks"]["math"]["selection"]
     kept = selection["candidates"][selection["chosen"]]

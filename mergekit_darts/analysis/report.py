@@ -11,7 +11,7 @@ folder written without entropy, and checks that the prompts still hash to what t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -23,7 +23,8 @@ from mergekit_darts.analysis import plots
 from mergekit_darts.analysis.document import Document
 from mergekit_darts.artifacts import load_surgery, read_manifest
 from mergekit_darts.core.metrics import rho_from_deltas
-from mergekit_darts.manifest import MANIFEST, REPORT_DIR
+from mergekit_darts.manifest import MANIFEST, REPORT_DIR, SURGERY_YAML, Manifest, TaskEntry
+from mergekit_darts.manifest import surgery_dir as surgery_path
 
 
 @dataclass
@@ -41,11 +42,11 @@ class Diagnostics:
 # --- reading ---------------------------------------------------------------------------------
 
 
-def load_diagnostics(surgery_dir: Path, entry: Mapping[str, Any]) -> Diagnostics | None:
+def load_diagnostics(surgery_dir: Path, entry: TaskEntry) -> Diagnostics | None:
     """The diagnostics the pipeline stored for one task, or None when there are none."""
     from safetensors.torch import load_file
 
-    name = entry.get("diagnostics")
+    name = entry.diagnostics
     if not name or not (surgery_dir / name).is_file():
         return None
     tensors = {k: plots.as_array(v) for k, v in load_file(surgery_dir / name).items()}
@@ -59,9 +60,9 @@ def load_diagnostics(surgery_dir: Path, entry: Mapping[str, Any]) -> Diagnostics
     )
 
 
-def position_bias_norm(surgery_dir: Path, task: str, entry: Mapping[str, Any]) -> np.ndarray | None:
+def position_bias_norm(surgery_dir: Path, task: str, entry: TaskEntry) -> np.ndarray | None:
     """``||b_p||_1 / H`` of a pos_corr module (other modules have no bias on δ's scale)."""
-    if entry.get("module") != "pos_corr":
+    if entry.module != "pos_corr":
         return None
     return plots.position_bias_norm(load_surgery(surgery_dir, task).position_bias)
 
@@ -86,7 +87,7 @@ def bias_growth(delta: np.ndarray, mask: np.ndarray) -> float | None:
 # --- recomputing -----------------------------------------------------------------------------
 
 
-def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict[str, Diagnostics]:
+def recompute(merged: Path, manifest: Manifest, progress: bool) -> dict[str, Diagnostics]:
     """Rebuild every task's diagnostics (with entropy) from ``surgery/surgery.yml``'s data.
 
     Captures come through the capture store (the block's ``cache_dir``, when it has one, makes
@@ -100,8 +101,8 @@ def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict
     from mergekit_darts.calibrate.train import evaluate
     from mergekit_darts.config import check_targets, parse_surgery, read_surgery_file, resolve_tasks
 
-    surgery_dir = merged / "surgery"
-    block = read_surgery_file(surgery_dir / manifest.get("config", "surgery.yml"))
+    surgery_dir = surgery_path(merged)
+    block = read_surgery_file(surgery_dir / (manifest.config or SURGERY_YAML))
     config = parse_surgery(block)
     tasks = resolve_tasks(config)
     targets = check_targets(
@@ -121,7 +122,7 @@ def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict
         mask = cal.merged.mask.cpu()
         completion = cal.completion_mask
         loss_mask = mask & completion.cpu() if task.loss_positions == "completion" else mask
-        notes = _hash_notes(prompts[task.name].sha256, manifest["tasks"].get(task.name, {}))
+        notes = _hash_notes(prompts[task.name].sha256, manifest.tasks.get(task.name))
         out[task.name] = Diagnostics(
             delta_before=plots.as_array(before),
             delta_after=plots.as_array(after),
@@ -133,8 +134,8 @@ def recompute(merged: Path, manifest: Mapping[str, Any], progress: bool) -> dict
     return out
 
 
-def _hash_notes(sha256: Sequence[str], entry: Mapping[str, Any]) -> list[str]:
-    stored = entry.get("calibration", {}).get("prompt_sha256") or []
+def _hash_notes(sha256: Sequence[str], entry: TaskEntry | None) -> list[str]:
+    stored = (entry.calibration.get("prompt_sha256") if entry else None) or []
     if list(sha256) == list(stored):
         return []
     differ = sum(a != b for a, b in zip(sha256, stored, strict=False)) + abs(
@@ -166,9 +167,9 @@ def write_report(
     ``surgery/``) never leaves a report describing modules that no longer exist.
     """
     merged = Path(merged)
-    surgery_dir = merged / "surgery"
+    surgery_dir = surgery_path(merged)
     manifest = read_manifest(surgery_dir)
-    tasks: dict[str, Mapping[str, Any]] = manifest["tasks"]
+    tasks = manifest.tasks
     out = Path(output) if output else surgery_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     diagnostics = (
@@ -189,29 +190,29 @@ def write_report(
         [
             [
                 t,
-                e["module"],
-                e["loss"],
-                e["rank"],
-                e["steps"],
-                e["lr"],
-                e["seed"],
-                e["loss_positions"],
-                e["calibration"]["num_prompts"],
-                e["metrics"]["tokens"],
-                _f(e["metrics"]["delta_before"]),
-                _f(e["metrics"]["delta_after"]),
-                _f(e["metrics"]["rho_l1"], 3),
-                _f(e["metrics"]["final_loss"]),
+                e.module,
+                e.loss,
+                e.rank,
+                e.steps,
+                e.lr,
+                e.seed,
+                e.loss_positions,
+                e.calibration["num_prompts"],
+                e.metrics["tokens"],
+                _f(e.metrics["delta_before"]),
+                _f(e.metrics["delta_after"]),
+                _f(e.metrics["rho_l1"], 3),
+                _f(e.metrics["final_loss"]),
             ]
             for t, e in tasks.items()
         ],
     )
-    rhos = {t: e["metrics"]["rho_l1"] for t, e in tasks.items()}
+    rhos = {t: e.metrics["rho_l1"] for t, e in tasks.items()}
     doc.image(plots.plot_rho(rhos, out / "rho_l1.png"), "rho_L1 per task")
     curves, every = {}, {}
     for t, e in tasks.items():
-        curves[t] = e["metrics"].get("loss_curve") or []
-        every[t] = e["metrics"].get("loss_curve_every", 1)
+        curves[t] = e.metrics.get("loss_curve") or []
+        every[t] = e.metrics.get("loss_curve_every", 1)
     doc.image(plots.plot_loss_curves(curves, out / "loss_curves.png", every), "loss curves")
     for task, entry in tasks.items():
         _task_section(doc, out, surgery_dir, task, entry, diagnostics.get(task))
@@ -225,17 +226,17 @@ def _task_section(
     out: Path,
     surgery_dir: Path,
     task: str,
-    entry: Mapping[str, Any],
+    entry: TaskEntry,
     diag: Diagnostics | None,
 ) -> None:
-    cal = entry["calibration"]
+    cal = entry.calibration
     doc.heading(2, f"Task `{task}`")
     completion = cal.get("continuation_tokens") or 0
     doc.text(
-        f"Target `{entry['target']}`, serves lm-eval task(s) {', '.join(entry['eval_tasks'])}. "
+        f"Target `{entry.target}`, serves lm-eval task(s) {', '.join(entry.eval_tasks)}. "
         f"Calibration: {cal['num_prompts']} prompts from `{cal['source']}`"
         + (f" + the target's greedy completion (≤ {completion} tokens)" if completion else "")
-        + f"; loss on {entry['loss_positions']} positions."
+        + f"; loss on {entry.loss_positions} positions."
     )
     if diag is None:
         doc.text(
@@ -275,7 +276,7 @@ def _task_section(
     if diag.entropy is None:
         doc.text(
             f"The target's entropy was not stored (it is computed for the ewl1 loss; this module "
-            f"used {entry['loss']}): `--recompute` computes it."
+            f"used {entry.loss}): `--recompute` computes it."
         )
     else:
         doc.image(

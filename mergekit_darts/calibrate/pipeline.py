@@ -43,7 +43,7 @@ from mergekit_darts.config import (
     read_surgery_file,
     resolve_tasks,
 )
-from mergekit_darts.manifest import surgery_dir
+from mergekit_darts.manifest import Manifest, surgery_dir
 
 PhaseHook = Callable[[str], AbstractContextManager[Any]]
 
@@ -125,7 +125,7 @@ def calibrate(
     progress: bool = True,
     store: CaptureStore | None = None,
     on_phase: PhaseHook = no_phase,
-) -> dict[str, Any]:
+) -> Manifest:
     """Capture, train and write ``merged_path/surgery/`` for a block ``prepare_surgery`` checked.
 
     Returns the manifest as written. The card, the recorded block and the summary are the

@@ -26,7 +26,7 @@ from mergekit_darts.calibrate.continuation import tokens_sha256
 from mergekit_darts.calibrate.fit import TaskRun, settings_of
 from mergekit_darts.config import SurgeryConfig, model_shape
 from mergekit_darts.core.metrics import rho_from_deltas
-from mergekit_darts.manifest import BLOCK_KEY, SURGERY_YAML, diagnostics_file, surgery_dir
+from mergekit_darts.manifest import BLOCK_KEY, SURGERY_YAML, Manifest, diagnostics_file, surgery_dir
 
 LOSS_CURVE_POINTS = 200  # the manifest keeps at most this many points of each loss curve
 
@@ -41,7 +41,7 @@ def write_surgery(
     load_merged_s: float,
     started: float,
     captures: dict[str, int],
-) -> dict[str, Any]:
+) -> Manifest:
     """Modules, manifest, diagnostics and the block, in one atomic folder; returns the manifest.
 
     ``started`` is the run's ``time.perf_counter()`` at its start (the manifest's ``total_s``);

@@ -7,7 +7,6 @@ filled-in view of each task in :mod:`mergekit_darts.config.resolve`.
 
 from __future__ import annotations
 
-import string
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,7 +21,7 @@ from pydantic import (
 
 from mergekit_darts.core.losses import LOSSES
 from mergekit_darts.core.modules import MODULE_KINDS
-from mergekit_darts.routing import RESERVED_TASK_NAMES
+from mergekit_darts.routing import check_task_name
 
 CALIBRATION_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
 
@@ -109,16 +108,7 @@ class TaskConfig(Candidate):
     @field_validator("name")
     @classmethod
     def _file_and_cli_safe(cls, name: str) -> str:
-        # The name becomes a file name and a value inside lm-eval's comma-split --model_args.
-        allowed = set(string.ascii_letters + string.digits + "_.-")
-        if not name or not name[0].isalnum() or not set(name) <= allowed:
-            raise ValueError(
-                f"{name!r} is not a valid task name; use letters, digits, '_', '.', '-' and "
-                "start with a letter or digit"
-            )
-        if name.lower() in RESERVED_TASK_NAMES:
-            raise ValueError(f"{name!r} is reserved by hf-darts (surgery=none|auto); rename it")
-        return name
+        return check_task_name(name)
 
     @field_validator("eval_tasks")
     @classmethod

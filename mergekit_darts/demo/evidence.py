@@ -18,6 +18,7 @@ from scipy.stats import spearmanr
 
 from mergekit_darts.demo.configs import VARIANTS, fixed_variant, surgery_task
 from mergekit_darts.demo.domains import DOMAIN_NAMES
+from mergekit_darts.manifest import Manifest
 
 NONE_LABEL = "None (merged)"
 # metric -> sign that makes "higher is better" (KL is lower-is-better)
@@ -37,14 +38,14 @@ class Point:
     chosen: bool = False
 
 
-def collect(method: str, manifest: Mapping[str, Any], scores: Mapping[str, dict]) -> list[Point]:
+def collect(method: str, manifest: Manifest, scores: Mapping[str, dict]) -> list[Point]:
     """Points of one merge; ``scores`` maps a row label to its exact match per domain."""
     points = []
     for variant in (v for v in VARIANTS if v.selects):
         group = "completions" if variant.continuation_tokens else "prompts"
         for domain in DOMAIN_NAMES:
-            entry = manifest["tasks"][surgery_task(domain) + variant.suffix]
-            held, selection = entry["held_out"], entry["selection"]
+            entry = manifest.tasks[surgery_task(domain) + variant.suffix]
+            held, selection = entry.held_out, entry.selection
             before = held["all"]
             points.append(
                 Point(

@@ -21,6 +21,7 @@ from typing import Any
 
 from rich.console import Console
 
+from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.demo.configs import (
     METHODS,
     VARIANTS,
@@ -33,6 +34,7 @@ from mergekit_darts.demo.domains import DOMAIN_NAMES
 from mergekit_darts.demo.evidence import Point, collect, selection_outcomes
 from mergekit_darts.demo.evidence import markdown as evidence_markdown
 from mergekit_darts.demo.family import FamilyPaths, build_family
+from mergekit_darts.manifest import surgery_dir
 
 console = Console()
 
@@ -171,7 +173,7 @@ def merged_rows(
         config_path, settings.out / "merges" / method, settings.seed, settings.fresh
     )
     key = (merged.with_name(merged.name + ".done")).read_text()
-    manifest = json.loads((merged / "surgery" / "manifest.json").read_text())
+    manifest = read_manifest(surgery_dir(merged))
     base_args = f"pretrained={merged},dtype=float32"
     rows = [
         Row(
@@ -185,7 +187,7 @@ def merged_rows(
         mapping = ";".join(f"{lm_eval_task(d)}:{names[d]}" for d in DOMAIN_NAMES)
         args = f"{base_args},surgery=auto,surgery_map={mapping}"
         scores = evaluate(settings, family, "hf-darts", args, key)
-        rho = {d: manifest["tasks"][names[d]]["metrics"]["rho_l1"] for d in DOMAIN_NAMES}
+        rho = {d: manifest.tasks[names[d]].metrics["rho_l1"] for d in DOMAIN_NAMES}
         rows.append(Row(method, variant.label, scores, rho))
     return rows, collect(method, manifest, {row.label: row.scores for row in rows})
 
@@ -195,12 +197,12 @@ def bias_figures(settings: DemoSettings, method: str) -> list[Path]:
     from mergekit_darts.analysis.plots import plot_delta_by_position, plot_delta_heatmap
     from mergekit_darts.analysis.report import load_diagnostics, position_bias_norm
 
-    surgery = settings.out / "merges" / method / "surgery"
-    manifest = json.loads((surgery / "manifest.json").read_text())
+    surgery = surgery_dir(settings.out / "merges" / method)
+    manifest = read_manifest(surgery)
     paths = []
     for domain in DOMAIN_NAMES:
         task = surgery_task(domain)
-        entry = manifest["tasks"][task]
+        entry = manifest.tasks[task]
         diag = load_diagnostics(surgery, entry)
         if diag is None:
             continue

@@ -63,7 +63,7 @@ def export(
     out, dest = Path(out_path), Path(os.path.abspath(dest))  # abspath: "." and "x/" have names
     source = _Source.read(out)
     if all_tasks:
-        tasks = list(source.manifest["tasks"])
+        tasks = list(source.manifest.tasks)
     else:
         tasks = [resolve_task(source.manifest, task, source.surgery)]
     _check_dest(dest)
@@ -120,9 +120,9 @@ class _Source:
             )
         source = cls(out, config, _weight_map(out))
         hidden = config.get("hidden_size")
-        if hidden is not None and hidden != source.manifest.get("hidden_size"):
+        if hidden is not None and hidden != source.manifest.hidden_size:
             raise ExportError(
-                f"{out}/surgery was made for hidden size {source.manifest.get('hidden_size')}, "
+                f"{out}/surgery was made for hidden size {source.manifest.hidden_size}, "
                 f"but config.json has {hidden}: re-run the surgery on this merge"
             )
         return source
@@ -218,14 +218,14 @@ def _write_folder(
     total = sum(sum(_tensor_bytes(folder / f).values()) for f in sorted(set(weight_map.values())))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    entry = source.manifest["tasks"][task]
+    entry = source.manifest.tasks[task]
     config = export_config(
         source.config,
         task=task,
-        module=entry["module"],
-        rank=int(entry["rank"]),
-        max_positions=int(entry["max_positions"]),
-        hidden_size=int(source.manifest["hidden_size"]),
+        module=entry.module,
+        rank=entry.rank,
+        max_positions=entry.max_positions,
+        hidden_size=source.manifest.hidden_size,
     )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
@@ -246,7 +246,7 @@ def _place(src: Path, dst: Path, link: str) -> None:
 
 def model_card(source: _Source, task: str, name: str) -> str:
     """Markdown for DEST/README.md: where it comes from, what it corrects, how to use it."""
-    entry = source.manifest["tasks"][task]
+    entry = source.manifest.tasks[task]
     merge_yaml, base, models = _merge_config(source.out)
     hub_models = [m for m in models if _looks_like_hub_id(m)]
     front = {
@@ -254,8 +254,8 @@ def model_card(source: _Source, task: str, name: str) -> str:
         "tags": [*TAGS, "mergekit", "merge"],
         **({"base_model": hub_models} if hub_models else {}),
     }
-    rho = entry.get("metrics", {}).get("rho_l1")  # absent in hand-made surgery folders
-    eval_tasks = entry.get("eval_tasks") or []
+    rho = entry.metrics.get("rho_l1")  # absent in hand-made surgery folders
+    eval_tasks = entry.eval_tasks
     lm_eval_tasks = ",".join(eval_tasks) or "TASKS"
     lines = [
         "---",
@@ -270,8 +270,8 @@ def model_card(source: _Source, task: str, name: str) -> str:
         "",
         "| task | target | lm-eval tasks | module | loss | rank | max positions | ρ_L1 |",
         "|---|---|---|---|---|---|---|---|",
-        f"| `{task}` | `{entry.get('target', '')}` | {', '.join(eval_tasks)} | {entry['module']} | "
-        f"{entry.get('loss', '')} | {entry['rank']} | {entry['max_positions']} | {'—' if rho is None else f'{rho:.3f}'} |",
+        f"| `{task}` | `{entry.target or ''}` | {', '.join(eval_tasks)} | {entry.module} | "
+        f"{entry.loss or ''} | {entry.rank} | {entry.max_positions} | {'—' if rho is None else f'{rho:.3f}'} |",
         "",
         RHO_L1_NOTE,
         "",

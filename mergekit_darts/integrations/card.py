@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mergekit_darts.fs import write_text
-from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR
+from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR, Manifest, TaskEntry
 
 START = "<!-- mergekit-darts:surgery -->"
 END = "<!-- /mergekit-darts:surgery -->"
@@ -28,7 +28,7 @@ RHO_L1_NOTE = (
 )
 
 
-def update_model_card(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
+def update_model_card(folder: str | Path, manifest: Manifest) -> Path:
     """Add (or replace) the surgery section of ``folder/README.md``; returns its path."""
     folder = Path(folder)
     readme = folder / "README.md"
@@ -51,22 +51,22 @@ def report_link_markdown(folder_name: str = "<folder>") -> str:
     )
 
 
-def surgery_section(manifest: Mapping[str, Any], name: str) -> str:
+def surgery_section(manifest: Manifest, name: str) -> str:
     """Markdown: what each module serves, how much bias it removed, how to evaluate with it."""
-    tasks = manifest["tasks"]
+    tasks = manifest.tasks
     rows = []
     for task, entry in tasks.items():
-        cal, metrics = entry["calibration"], entry["metrics"]
+        cal, metrics = entry.calibration, entry.metrics
         prompts = f"{cal['num_prompts']} from `{cal['source']}`"
         if cal.get("continuation_tokens"):
             prompts += f" + target completions (≤ {cal['continuation_tokens']} tokens)"
         rows.append(
-            f"| `{task}` | `{entry['target']}` | {', '.join(entry['eval_tasks'])} | "
-            f"{entry['module']} | {entry['loss']} | {entry['loss_positions']} | {prompts} | "
+            f"| `{task}` | `{entry.target}` | {', '.join(entry.eval_tasks)} | "
+            f"{entry.module} | {entry.loss} | {entry.loss_positions} | {prompts} | "
             f"{metrics['rho_l1']:.3f} |"
         )
     first = next(iter(tasks))
-    every_eval_task = ",".join(t for entry in tasks.values() for t in entry["eval_tasks"])
+    every_eval_task = ",".join(t for entry in tasks.values() for t in entry.eval_tasks)
     return "\n".join(
         [
             START,
@@ -92,7 +92,7 @@ def surgery_section(manifest: Mapping[str, Any], name: str) -> str:
             "```sh",
             "pip install mergekit-darts",
             f"lm_eval --model hf-darts --model_args pretrained={name},surgery={first} "
-            f"--tasks {','.join(tasks[first]['eval_tasks'])}",
+            f"--tasks {','.join(tasks[first].eval_tasks)}",
             "# one module per request, chosen from each lm-eval task's name:",
             f"lm_eval --model hf-darts --model_args pretrained={name},surgery=auto "
             f"--tasks {every_eval_task}",
@@ -112,18 +112,18 @@ def surgery_section(manifest: Mapping[str, Any], name: str) -> str:
     )
 
 
-def _selection_markdown(tasks: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
     """Held-out numbers and, for tasks with ``select``, every candidate and which one was kept."""
     rows = []
     for task, entry in tasks.items():
-        held = entry.get("held_out")
-        selection = entry.get("selection")
+        held = entry.held_out
+        selection = entry.selection
         if held is None:
             continue
         candidates = selection["candidates"] if selection else [None]
         for index, candidate in enumerate(candidates):
             if candidate is None:  # a fixed task measured on held-out prompts
-                label, metrics = f"{entry['module']} + {entry['loss']}", held["all"]
+                label, metrics = f"{entry.module} + {entry.loss}", held["all"]
                 numbers = [metrics["agreement_after"], metrics["kl_after"], metrics["rho_l1"]]
                 kept = "saved"
             else:
@@ -140,7 +140,7 @@ def _selection_markdown(tasks: Mapping[str, Mapping[str, Any]]) -> list[str]:
             )
     if not rows:
         return []
-    refit = any(e.get("selection", {}).get("refit") for e in tasks.values())
+    refit = any((e.selection or {}).get("refit") for e in tasks.values())
     return [
         "### Held-out measurement and selection",
         "",
@@ -189,11 +189,11 @@ def _with_tags(text: str) -> str:
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---" + body
 
 
-def print_summary(manifest: Mapping[str, Any], console: Console | None = None) -> None:
+def print_summary(manifest: Manifest, console: Console | None = None) -> None:
     """One row per task: how much of the merged model's bias its module removed; with held-out
     prompts, agreement and KL on them before -> after; with ``select``, every candidate."""
-    tasks = manifest["tasks"]
-    with_completion = any("rho_l1_completion" in e["metrics"] for e in tasks.values())
+    tasks = manifest.tasks
+    with_completion = any("rho_l1_completion" in e.metrics for e in tasks.values())
     table = Table(title="DARTS surgery", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("task", "module", "loss", "positions", "tokens", "δ before", "δ after", "ρ_L1"):
         left = column in ("task", "module", "loss", "positions")
@@ -201,12 +201,12 @@ def print_summary(manifest: Mapping[str, Any], console: Console | None = None) -
     if with_completion:
         table.add_column("ρ_L1 completion", justify="right")
     for task, entry in tasks.items():
-        metrics = entry["metrics"]
+        metrics = entry.metrics
         row = [
             task,
-            entry["module"],
-            entry["loss"],
-            entry["loss_positions"],
+            entry.module,
+            entry.loss,
+            entry.loss_positions,
             str(metrics["tokens"]),
             f"{metrics['delta_before']:.4f}",
             f"{metrics['delta_after']:.4f}",
@@ -220,10 +220,10 @@ def print_summary(manifest: Mapping[str, Any], console: Console | None = None) -
         if not console.is_terminal:  # a log file or a pipe: no reason to squeeze into 80 columns
             console = Console(width=120)
     console.print(table)
-    held_out = {task: e["held_out"] for task, e in tasks.items() if "held_out" in e}
+    held_out = {task: e.held_out for task, e in tasks.items() if e.held_out is not None}
     if held_out:
         console.print(_held_out_table(held_out))
-    selecting = {task: e["selection"] for task, e in tasks.items() if "selection" in e}
+    selecting = {task: e.selection for task, e in tasks.items() if e.selection is not None}
     if selecting:
         console.print(_selection_table(selecting))
 

@@ -36,7 +36,7 @@ def run_surgery(
     store: CaptureStore | None = None,
     on_phase: PhaseHook = no_phase,
 ) -> dict[str, Any]:
-    """Calibrate and save ``merged_path/surgery/``; returns the manifest as written.
+    """Calibrate and save ``merged_path/surgery/``; returns the manifest as written (its JSON form).
 
     ``surgery_config`` is the block (a mapping or a ``SurgeryConfig``) or a YAML file holding a
     merge config with ``surgery:`` or just the block. An existing ``surgery/`` is replaced only
@@ -81,4 +81,4 @@ def run_prepared(
     if progress:
         print_summary(written)
         print(store.summary())
-    return written
+    return written.to_dict()

@@ -199,7 +199,7 @@ def rho_of(surgery_path: Path, spec: EvalSpec) -> tuple[dict[str, float], dict[s
     from mergekit_darts.routing import manifest_routes, parse_surgery_map, route
 
     manifest = read_manifest(surgery_path)
-    rho = {name: float(entry["metrics"]["rho_l1"]) for name, entry in manifest["tasks"].items()}
+    rho = {name: float(entry.metrics["rho_l1"]) for name, entry in manifest.tasks.items()}
     routes = parse_surgery_map(spec.surgery_map) if spec.surgery_map else manifest_routes(manifest)
     eval_rho = {}
     for task in spec.tasks:
