@@ -110,6 +110,7 @@ def prepare_merge_surgery(
         out_path=out_path,
         overwrite=overwrite,
         check_vocab=not (own_tokenizer or stand_in),
+        chat_template_set=bool(merge_config.chat_template),
     )
     _check_padding(merge_config, prepared)
     return prepared
