@@ -195,9 +195,9 @@ def _check_chat_template(
         return
     has = "has no chat template" if tokenizer is not None else "has no tokenizer"
     raise SurgeryConfigError(
-        f"{task.key}.calibration.chat_template: the {reference_label} {has}, and the merged "
-        "model's tokenizer comes from it; set the merge's `chat_template:` (e.g. chatml) or "
-        "remove this key"
+        f"{task.key}.calibration.chat_template: the {reference_label} {has}, and calibration "
+        "uses the tokenizer it gives the merge; set the merge's `chat_template:` (e.g. chatml) "
+        "or remove this key"
     )
 
 
