@@ -4,7 +4,11 @@ The paper keeps calibration and evaluation disjoint (its Table 7); a module scor
 it was fitted to is not held out. ``hf-darts`` checks every request against the token ids the
 surgery run stored in ``surgery/diagnostics/<task>.safetensors``, the way lm-eval's
 decontamination does (n-gram overlap, n = 13): a request overlaps when it contains 13 consecutive
-tokens of a calibration sequence, or a whole calibration sequence shorter than that. Special
+tokens of a calibration sequence, or the whole of a shorter one that ``max_length`` did not cut
+(the first few tokens of a cut prompt say little about it: with ``max_length: 3`` every prompt
+would be two words, found in many unrelated requests). Whether a prompt may have been cut is read
+from the manifest: its ``calibration.prompt_tokens`` reached ``max_length - continuation_tokens``
+(so nothing new is stored, and older folders read as before). Special
 tokens (BOS, padding) are dropped on both sides, because calibration and lm-eval add them
 differently. Each distinct context is encoded and scanned once (multiple-choice documents share
 one across their choices), so the check costs about one tokenizer pass per document and a set
@@ -30,12 +34,21 @@ log = logging.getLogger(__name__)
 
 
 class CalibrationGrams:
-    """The n-grams of one module's calibration sequences (whole sequences when shorter than n)."""
+    """The n-grams of one module's calibration sequences (whole sequences when shorter than n).
 
-    def __init__(self, sequences: Iterable[Sequence[int]], n: int = NGRAM) -> None:
+    ``cut[i]`` marks sequence ``i`` as possibly cut short: it then counts only through full
+    n-grams, never as a whole.
+    """
+
+    def __init__(
+        self, sequences: Iterable[Sequence[int]], n: int = NGRAM, cut: Iterable[bool] = ()
+    ) -> None:
         self._grams: dict[int, set[tuple[int, ...]]] = defaultdict(set)
-        for seq in sequences:
+        cut = list(cut)
+        for index, seq in enumerate(sequences):
             size = min(n, len(seq))
+            if size < n and index < len(cut) and cut[index]:
+                continue
             if size:
                 self._grams[size].update(
                     tuple(seq[i : i + size]) for i in range(len(seq) - size + 1)
@@ -58,6 +71,21 @@ def calibration_sequences(path: Path, drop: set[int]) -> list[list[int]]:
         [t for t in row[keep].tolist() if t not in drop]
         for row, keep in zip(ids, mask, strict=True)
     ]
+
+
+def possibly_cut(calibration: dict[str, Any], rows: int) -> list[bool]:
+    """Per stored row: whether its prompt reached its token budget (and so may have been cut).
+
+    Reads the manifest's ``calibration`` record; a prompt exactly as long as the budget cannot be
+    told from a cut one and counts as cut. Without ``prompt_tokens`` (older manifests) or with a
+    row count that does not match, nothing is marked.
+    """
+    lengths = calibration.get("prompt_tokens")
+    max_length = calibration.get("max_length")
+    if not isinstance(lengths, list) or len(lengths) != rows or not isinstance(max_length, int):
+        return []
+    budget = max_length - int(calibration.get("continuation_tokens") or 0)
+    return [isinstance(n, int) and n >= budget for n in lengths]
 
 
 def _pair(request: Instance) -> tuple[str, str]:
@@ -135,5 +163,7 @@ class LeakageCheck:
                 log.info("hf-darts: no calibration diagnostics for %r: leakage not checked", module)
                 self._grams[key] = None
             else:
-                self._grams[key] = CalibrationGrams(calibration_sequences(path, self._special))
+                sequences = calibration_sequences(path, self._special)
+                cut = possibly_cut(entry.calibration, len(sequences))
+                self._grams[key] = CalibrationGrams(sequences, cut=cut)
         return self._grams[key]

@@ -8,6 +8,7 @@ Nothing heavy (torch, mergekit, lm_eval) is imported until the user imports thos
 Set ``DARTS_NO_HOOK=1`` to turn it off.
 """
 
+import os
 import sys
 
 # watched module -> (module with an ``install(module)`` function) run after it finishes importing
@@ -50,6 +51,25 @@ class _DartsFinder:
             return None
         spec.loader = _PatchingLoader(spec.loader, patch_module)
         return spec
+
+
+def main() -> None:
+    """What the ``.pth`` line runs: :func:`install` unless ``DARTS_NO_HOOK`` says not to.
+
+    The variable is read by the package's one boolean parser, imported only when it is set (the
+    usual start, with it unset, imports nothing). A value that is not a boolean cannot stop a
+    Python start: it is reported in one line and the hook stays on, so the hooked ``mergekit-yaml``
+    then refuses it before merging.
+    """
+    if os.environ.get("DARTS_NO_HOOK", "").strip():
+        from mergekit_darts.envflags import NO_HOOK, EnvFlagError, env_flag
+
+        try:
+            if env_flag(NO_HOOK):
+                return
+        except EnvFlagError as err:
+            print(f"mergekit-darts: {err} (the startup hook stays on)", file=sys.stderr)
+    install()
 
 
 def install() -> None:

@@ -21,13 +21,14 @@ import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 from tiny import build_tokenizer, save_model, tiny_config
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, T5Config
 
 from mergekit_darts.calibrate.data import load_prompts, tokenize_prompts
 from mergekit_darts.calibrate.pipeline import prepare_surgery
 from mergekit_darts.config import parse_surgery, read_surgery_file, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError
-from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
+from mergekit_darts.integrations.mergekit_hook import merge_with_surgery, prepare_merge_surgery
+from mergekit_darts.integrations.post_merge import run_surgery
 from mergekit_darts.manifest import Manifest
 from mergekit_darts.routing import DoubleClaim, eval_task_routes, manifest_routes
 
@@ -53,6 +54,11 @@ def odd(tiny_family, tmp_path_factory) -> Path:
     (root / "nofield.jsonl").write_text('{"text": "one two"}\n{"prompt": "three"}\n')
     (root / "broken.jsonl").write_text('{"text": "one"}\n{"text": \n')
     (root / "prompts.csv").write_text("text\none two\n")
+    # an encoder-decoder of the family's hidden size and tokenizer (a config is all preflight reads)
+    T5Config(
+        vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4
+    ).save_pretrained(root / "t5")
+    tokenizer.save_pretrained(root / "t5")
     return root
 
 
@@ -130,6 +136,13 @@ def block(**changes) -> Callable[[dict, Path], None]:
         config["surgery"].update(changes)
 
     return mutate
+
+
+def t5_merge(config: dict, odd: Path) -> None:
+    """The merge's models become an encoder-decoder (the targets stay causal LMs)."""
+    config["base_model"] = str(odd / "t5")
+    for entry in config["models"]:
+        entry["model"] = str(odd / "t5")
 
 
 def calibration_file(name: str) -> Callable[[Path], dict]:
@@ -272,6 +285,55 @@ BAD_INPUTS = [
         "negative continuation",
         task(0, calibration={"continuation_tokens": -1}),
         "surgery.tasks[0].calibration.continuation_tokens: must be >= 0",
+    ),
+    # issue 20, item 9: checks that came after the merge or ended in a traceback
+    ("encoder-decoder merge", t5_merge, "base model "),
+    (
+        "encoder-decoder target",
+        task(1, target=lambda odd: str(odd / "t5")),
+        "surgery.tasks[1].target: ",
+    ),
+    (
+        "chat_template without one",
+        task(0, calibration={"chat_template": True}),
+        "surgery.tasks[0].calibration.chat_template: the base model ",
+    ),
+    (
+        "template with a format spec",
+        task(1, calibration={"template": "{question:d}"}),
+        "surgery.tasks[1].calibration.template: {question:d} has a format spec or conversion; use "
+        "the plain placeholder {question}",
+    ),
+    (
+        "template with a conversion",
+        task(1, calibration={"template": "Q: {question!r}"}),
+        "surgery.tasks[1].calibration.template: {question!r} has a format spec",
+    ),
+    (
+        "rank above the hidden size",
+        block(rank=1000),
+        "surgery.rank: rank 1000 exceeds the hidden size 64 of the base model ",
+    ),
+    (
+        "task rank above the hidden size",
+        task(1, rank=65),
+        "surgery.tasks[1].rank: rank 65 exceeds the hidden size 64",
+    ),
+    (
+        "candidate rank above the hidden size",
+        task(0, select={"candidates": [{"rank": 4}, {"rank": 128}]}),
+        "surgery.tasks[0].select.candidates[1].rank: rank 128 exceeds the hidden size 64",
+    ),
+    (
+        "max_length 1 keeps only BOS",
+        task(0, calibration={"max_length": 1}),
+        "surgery.tasks[0].calibration.max_length: 1 leaves no token to train on after the first "
+        "(BOS) token",
+    ),
+    (
+        "continuation leaves only BOS for the prompt",
+        task(0, calibration={"continuation_tokens": 63, "max_length": 64}),
+        "surgery.tasks[0].calibration.continuation_tokens: 63 leaves no room for the prompt",
     ),
 ]
 
@@ -504,3 +566,41 @@ def test_example_yaml_validates(tiny_family, tmp_path, monkeypatch):
     )
     assert [t.name for t in prepared.tasks] == ["math", "code"]
     assert all(len(p.texts) > 0 for p in prepared.prompts.values())
+
+
+def test_encoder_decoder_messages_say_why(tiny_family, calibration_data, odd, tmp_path):
+    config = merge_config(tiny_family, calibration_data)
+    t5_merge(config, odd)
+    message = refuse(config, tmp_path / "out")
+    assert message.startswith(
+        f"base model {odd / 't5'} is an encoder-decoder model (model_type t5)"
+    )
+    assert "decoder-only causal LM" in message and "without a surgery: block" in message
+
+
+def test_chat_template_set_by_the_merge_passes_preflight(tiny_family, calibration_data, tmp_path):
+    """mergekit's `chat_template:` gives the merged tokenizer one the base lacks."""
+    config = merge_config(tiny_family, calibration_data)
+    config["surgery"]["tasks"][0]["calibration"]["chat_template"] = True
+    config["chat_template"] = "chatml"
+    prepared = prepare_merge_surgery(
+        config["surgery"],
+        MergeConfiguration.model_validate(config),
+        str(tmp_path / "out"),
+        MergeOptions(quiet=True),
+    )
+    assert prepared.tasks[0].calibration.chat_template
+    assert not (tmp_path / "out").exists()
+
+
+def test_chat_template_checked_against_a_merged_folder(tiny_family, tiny_merged, calibration_data):
+    """`calibrate` on a merged folder without a template stops before any model loads."""
+    block = merge_config(tiny_family, calibration_data)["surgery"]
+    block["tasks"][1]["calibration"]["chat_template"] = True
+    with pytest.raises(SurgeryConfigError) as info:
+        run_surgery(tiny_merged, block)
+    assert str(info.value).startswith(
+        f"surgery.tasks[1].calibration.chat_template: the merged model {tiny_merged} has no chat "
+        "template"
+    )
+    assert not (tiny_merged / "surgery").exists()

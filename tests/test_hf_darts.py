@@ -515,3 +515,15 @@ def test_calibration_grams() -> None:
     assert not grams.found_in([1, 2, *long[3:15], 5])  # 12 are not enough
     assert grams.found_in([0, 7, 8, 9, 0]) and not grams.found_in([7, 8, 0, 9])
     assert not CalibrationGrams([]).found_in(long)
+    cut = CalibrationGrams([long, short], cut=[True, True])  # cut by max_length
+    assert cut.found_in([1, 2, *long[3:16], 5]) and not cut.found_in([0, 7, 8, 9, 0])
+
+
+def test_possibly_cut_reads_the_manifest() -> None:
+    """A prompt that reached max_length - continuation_tokens may have been cut."""
+    from lm_eval_darts.leakage import possibly_cut
+
+    record = {"max_length": 8, "continuation_tokens": 2, "prompt_tokens": [3, 6, 5]}
+    assert possibly_cut(record, 3) == [False, True, False]
+    assert possibly_cut(record, 2) == []  # rows that do not match: nothing marked
+    assert possibly_cut({"max_length": 8}, 3) == []  # older manifests read as before

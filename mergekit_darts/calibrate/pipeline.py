@@ -82,12 +82,14 @@ def prepare_surgery(
     out_path: str | Path,
     overwrite: bool = False,
     check_vocab: bool = True,
+    chat_template_set: bool = False,
 ) -> PreparedSurgery:
     """Every check that needs no model weights, cheapest first; raises ``SurgeryConfigError``.
 
     ``reference`` is the model the targets must match: the base model before a merge, the merged
     folder after it. ``check_vocab=False`` skips the vocabulary checks when the merge builds its
-    own tokenizer (they run again against the merged folder).
+    own tokenizer (they run again against the merged folder); ``chat_template_set`` when it sets
+    the output's chat template (mergekit's ``chat_template:``).
     """
     block = _raw_block(surgery_config)
     config = parse_surgery(surgery_config if isinstance(surgery_config, SurgeryConfig) else block)
@@ -103,6 +105,7 @@ def prepare_surgery(
         trust_remote_code=config.trust_remote_code,
         check_vocab=check_vocab,
         target_vocab=config.target_vocab,
+        chat_template_set=chat_template_set,
     )
     prompts = {task.name: load_prompts(task) for task in tasks}
     for task in tasks:

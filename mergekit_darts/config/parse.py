@@ -23,6 +23,11 @@ from mergekit_darts.manifest import BLOCK_KEY
 from mergekit_darts.messages import describe_error, first_line
 from mergekit_darts.routing import DoubleClaim, eval_task_routes
 
+# Prompt tokens a calibration row needs: the first position is the BOS token for most tokenizers,
+# the same hidden state in every prompt, so a row needs at least one token after it to teach the
+# module anything (and its greedy completion to differ between prompts).
+MIN_PROMPT_TOKENS = 2
+
 
 def surgery_block(source: str | Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """The raw ``surgery:`` mapping of a merge YAML (text or parsed), or None when there is none."""
@@ -127,15 +132,22 @@ def _check_calibration(task: ResolvedTask) -> None:
         raise SurgeryConfigError(f"{key}.template: give `field:` or `template:`, not both")
     if cal.template is not None:
         _check_template(cal.template, f"{key}.template")
+    if cal.max_length < MIN_PROMPT_TOKENS:
+        raise SurgeryConfigError(
+            f"{key}.max_length: {cal.max_length} leaves no token to train on after the first "
+            f"(BOS) token, whose state is the same in every prompt; use at least "
+            f"{MIN_PROMPT_TOKENS}"
+        )
     if cal.max_length > task.max_positions:
         raise SurgeryConfigError(
             f"{key}.max_length: {cal.max_length} exceeds max_positions {task.max_positions} "
             "(the position table cannot cover it); lower max_length or raise max_positions"
         )
-    if cal.continuation_tokens >= cal.max_length:
+    if cal.max_length - cal.continuation_tokens < MIN_PROMPT_TOKENS:
         raise SurgeryConfigError(
             f"{key}.continuation_tokens: {cal.continuation_tokens} leaves no room for the prompt "
-            f"within max_length {cal.max_length}; prompt + completion must fit max_length"
+            f"within max_length {cal.max_length}; prompt + completion must fit max_length, with "
+            f"at least {MIN_PROMPT_TOKENS} prompt tokens (BOS and one more)"
         )
     if task.loss_positions == "completion" and cal.continuation_tokens == 0:
         raise SurgeryConfigError(
@@ -149,15 +161,25 @@ def _check_template(template: str, key: str) -> None:
         parts = list(string.Formatter().parse(template))
     except ValueError as err:
         raise SurgeryConfigError(f"{key}: {err}; write literal braces as {{{{ and }}}}") from None
-    names = [name for _, name, _, _ in parts if name is not None]
-    if not names:
+    fields = [(name, spec, conv) for _, name, spec, conv in parts if name is not None]
+    if not fields:
         raise SurgeryConfigError(
             f"{key}: names no {{field}} of the records; e.g. 'Q: {{question}}'"
         )
-    for name in names:
+    for name, spec, conversion in fields:
         if not name.isidentifier():
             raise SurgeryConfigError(
                 f"{key}: {{{name}}} is not a plain field name; use {{field}} placeholders only"
+            )
+        # A format spec or conversion fails or changes meaning with the records' value types,
+        # which are known only per record: plain placeholders insert each value as text.
+        if spec or conversion:
+            written = (
+                f"{{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
+            )
+            raise SurgeryConfigError(
+                f"{key}: {written} has a format spec or conversion; use the plain placeholder "
+                f"{{{name}}}, which inserts the value as text"
             )
 
 

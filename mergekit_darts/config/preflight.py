@@ -76,6 +76,7 @@ class ModelShape:
 
     hidden_size: int | None
     vocab_size: int | None
+    not_causal: str | None = None  # why AutoModelForCausalLM cannot load it as a decoder-only LM
 
 
 def model_shape(ref: str, key: str, *, trust_remote_code: bool) -> ModelShape:
@@ -90,7 +91,27 @@ def model_shape(ref: str, key: str, *, trust_remote_code: bool) -> ModelShape:
             f"{key}: cannot read a model config from {ref!r}: {first_line(str(err))}{local}"
         ) from None
     text = config.get_text_config(decoder=True)
-    return ModelShape(getattr(text, "hidden_size", None), getattr(text, "vocab_size", None))
+    return ModelShape(
+        getattr(text, "hidden_size", None),
+        getattr(text, "vocab_size", None),
+        _not_causal(config),
+    )
+
+
+def _not_causal(config: Any) -> str | None:
+    """Why calibration (``AutoModelForCausalLM``, one hidden state per input token) cannot run it.
+
+    An encoder-decoder (T5, BART) has no single final hidden state per prompt token that its LM
+    head reads, and a model type without a causal-LM class fails to load only after the merge.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        return f"an encoder-decoder model (model_type {config.model_type})"
+    remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
+        return f"not a causal LM (transformers has no AutoModelForCausalLM for {config.model_type})"
+    return None
 
 
 def check_targets(
@@ -101,29 +122,83 @@ def check_targets(
     trust_remote_code: bool,
     check_vocab: bool = True,
     target_vocab: str = "exact",
+    chat_template_set: bool = False,
 ) -> dict[str, str]:
     """Check each target against ``reference`` (the base before merging, the merge after).
 
-    Returns each task's resolved target location. With ``check_vocab`` the vocabularies are
-    compared too (:func:`_check_vocab`): calibration feeds one sequence of token ids to both.
+    Returns each task's resolved target location. Both must be decoder-only causal LMs, and no
+    task's rank may exceed their hidden size. With ``check_vocab`` (``reference``'s tokenizer is
+    the one calibration will use) the vocabularies are compared too (:func:`_check_vocab`):
+    calibration feeds one sequence of token ids to both; and ``chat_template: true`` needs a
+    chat template in that tokenizer, unless ``chat_template_set`` (the merge sets its own).
     """
     ref_shape = model_shape(reference, reference_label, trust_remote_code=trust_remote_code)
-    ref_vocab = _tokenizer_vocab(reference, trust_remote_code) if check_vocab else None
+    if ref_shape.not_causal:
+        raise SurgeryConfigError(_not_causal_message(reference_label, ref_shape.not_causal))
+    ref_tokenizer = _tokenizer_facts(reference, trust_remote_code) if check_vocab else None
     located = {}
     for task in tasks:
         key = f"{task.key}.target"
         where = local_or_hub(task.target, key)
         shape = model_shape(where, key, trust_remote_code=trust_remote_code)
+        if shape.not_causal:
+            raise SurgeryConfigError(_not_causal_message(f"{key}: {task.target}", shape.not_causal))
         if shape.hidden_size != ref_shape.hidden_size:
             raise SurgeryConfigError(
                 f"{key}: {task.target} has hidden_size {shape.hidden_size}, the {reference_label} "
                 f"has {ref_shape.hidden_size}; surgery needs targets of the merged architecture"
             )
+        _check_rank(task, ref_shape.hidden_size, reference_label)
         if check_vocab:
-            tokens = _tokenizer_vocab(where, trust_remote_code)
-            _check_vocab(task, shape, ref_shape, tokens, ref_vocab, reference_label, target_vocab)
+            tokens = _tokenizer_facts(where, trust_remote_code)
+            _check_vocab(
+                task,
+                shape,
+                ref_shape,
+                tokens and tokens.vocab,
+                ref_tokenizer and ref_tokenizer.vocab,
+                reference_label,
+                target_vocab,
+            )
+            if task.calibration.chat_template and not chat_template_set:
+                _check_chat_template(task, ref_tokenizer, reference_label)
         located[task.name] = where
     return located
+
+
+def _not_causal_message(what: str, why: str) -> str:
+    return (
+        f"{what} is {why}; surgery corrects the final hidden state of a decoder-only causal LM "
+        "(one that AutoModelForCausalLM loads), so merge such models without a surgery: block"
+    )
+
+
+def _check_rank(task: ResolvedTask, hidden_size: int | None, reference_label: str) -> None:
+    """A low-rank correction of an H-dimensional state needs rank <= H (each candidate's too)."""
+    if hidden_size is None:
+        return
+    for number, candidate in enumerate(task.candidates()):
+        if candidate.rank <= hidden_size:
+            continue
+        own = task.select is not None and "rank" in task.select.candidates[number].model_fields_set
+        key = f"{task.select_key}.candidates[{number}].rank" if own else task.source_key("rank")
+        raise SurgeryConfigError(
+            f"{key}: rank {candidate.rank} exceeds the hidden size {hidden_size} of the "
+            f"{reference_label}; a low-rank correction needs rank <= hidden_size (default 16)"
+        )
+
+
+def _check_chat_template(
+    task: ResolvedTask, tokenizer: _TokenizerFacts | None, reference_label: str
+) -> None:
+    if tokenizer is not None and tokenizer.chat_template:
+        return
+    has = "has no chat template" if tokenizer is not None else "has no tokenizer"
+    raise SurgeryConfigError(
+        f"{task.key}.calibration.chat_template: the {reference_label} {has}, and calibration "
+        "uses the tokenizer it gives the merge; set the merge's `chat_template:` (e.g. chatml) "
+        "or remove this key"
+    )
 
 
 def _check_vocab(
@@ -192,23 +267,33 @@ def _check_vocab(
         )
 
 
-def _tokenizer_vocab(ref: str, trust_remote_code: bool) -> dict[str, int] | None:
-    """The token -> id map, or None when the folder has no tokenizer to compare.
+@dataclass(frozen=True)
+class _TokenizerFacts:
+    """What the checks need of a tokenizer: its token -> id map and whether it has a template."""
+
+    vocab: dict[str, int]
+    chat_template: bool
+
+
+def _tokenizer_facts(ref: str, trust_remote_code: bool) -> _TokenizerFacts | None:
+    """The folder's tokenizer facts, or None when it has no tokenizer to compare.
 
     Warns when transformers loads a tokenizer that encodes unlike the folder's tokenizer.json
     (transformers 5 and ``model_type: qwen2``; docs/known-issues.md): the maps may still agree.
     """
     from transformers import AutoTokenizer
 
-    def vocab() -> dict[str, int] | None:
+    def facts() -> _TokenizerFacts | None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code)
         except Exception:  # no tokenizer files: nothing to compare, the vocab_size check remains
             return None
         warn_tokenizer_mismatch(ref, tokenizer)
-        return tokenizer.get_vocab()
+        return _TokenizerFacts(
+            tokenizer.get_vocab(), bool(getattr(tokenizer, "chat_template", None))
+        )
 
-    return by_files(_VOCABS, ref, trust_remote_code, vocab)
+    return by_files(_VOCABS, ref, trust_remote_code, facts)
 
 
 def tokenizer_mismatch(folder: str | Path, tokenizer: Any) -> str | None:

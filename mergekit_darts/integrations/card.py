@@ -3,10 +3,15 @@
 The card section sits between two HTML comments, so re-running the surgery replaces it instead of
 stacking a second one. A folder without a README (``calibrate`` on a merge made without a card)
 gets mergekit's own card, rebuilt from ``mergekit_config.yml``, before the section is added.
+
+The card is updated after ``surgery/`` is in place, so a card that cannot be read as expected
+(front matter that is not YAML, a recipe mergekit cannot rebuild a card from) is a warning: the
+section is added to what is there, and the surgery stands (docs/surgery-block.md).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,9 +21,11 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from mergekit_darts.config.messages import first_line
 from mergekit_darts.fs import write_text
 from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR, Manifest, TaskEntry
 
+LOG = logging.getLogger("mergekit_darts")
 START = "<!-- mergekit-darts:surgery -->"
 END = "<!-- /mergekit-darts:surgery -->"
 TAGS = ("darts", "representation-surgery")
@@ -36,7 +43,7 @@ def update_model_card(folder: str | Path, manifest: Manifest) -> Path:
     if START in text and END in text:
         head, rest = text.split(START, 1)
         text = head.rstrip("\n") + rest.split(END, 1)[1]
-    text = _with_tags(text.rstrip("\n"))
+    text = _with_tags(text.rstrip("\n"), readme)
     text += "\n\n" + surgery_section(manifest, folder.name) + "\n"
     write_text(readme, text)
     return readme
@@ -172,21 +179,48 @@ def _mergekit_card(folder: Path) -> str:
     from mergekit.config import MergeConfiguration
 
     source = config_file.read_text(encoding="utf-8")
-    config = MergeConfiguration.model_validate(yaml.safe_load(source))
+    try:
+        config = MergeConfiguration.model_validate(yaml.safe_load(source))
+    except Exception as err:  # YAML or mergekit's validation: the card is not worth the run
+        LOG.warning(
+            "%s: mergekit cannot rebuild its model card from it (%s); README.md gets a bare "
+            "title and the surgery section",
+            config_file,
+            first_line(str(err))[:200],
+        )
+        return f"# {folder.name}\n"
     return generate_card(config=config, config_yaml=source, name=folder.name)
 
 
-def _with_tags(text: str) -> str:
-    """Add the DARTS tags to the card's YAML front matter, when it has one."""
+def _with_tags(text: str, readme: Path) -> str:
+    """Add the DARTS tags to the card's YAML front matter, when it has one that is a mapping."""
     if not text.startswith("---\n") or "\n---" not in text[4:]:
         return text
     front, body = text[4:].split("\n---", 1)
-    meta = yaml.safe_load(front) or {}
+    try:
+        meta = yaml.safe_load(front) or {}
+    except yaml.YAMLError as err:
+        return _untagged(text, readme, f"is not valid YAML ({first_line(str(err))[:200]})")
     if not isinstance(meta, dict):
-        return text
-    tags = list(meta.get("tags") or [])
+        return _untagged(text, readme, "is not a mapping of keys")
+    tags = meta.get("tags") or []
+    tags = [tags] if isinstance(tags, str) else tags
+    if not isinstance(tags, list):
+        return _untagged(text, readme, "has `tags:` that are not a list")
     meta["tags"] = tags + [t for t in TAGS if t not in tags]
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---" + body
+
+
+def _untagged(text: str, readme: Path, problem: str) -> str:
+    """``text`` as it is, with a warning that its front matter gets no tags."""
+    LOG.warning(
+        "%s: its front matter %s; the surgery section is added, the tags %s are not: fix the "
+        "front matter and add them by hand",
+        readme,
+        problem,
+        ", ".join(TAGS),
+    )
+    return text
 
 
 def print_summary(manifest: Manifest, console: Console | None = None) -> None:

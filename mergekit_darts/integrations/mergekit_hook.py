@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from mergekit_darts.envflags import NO_HOOK, env_flag
+from mergekit_darts.envflags import OVERWRITE_SURGERY as OVERWRITE_ENV
+
 if TYPE_CHECKING:
     from mergekit_darts.calibrate.pipeline import PreparedSurgery
-
-OVERWRITE_ENV = "DARTS_OVERWRITE_SURGERY"  # the overwrite flag for the stock mergekit-yaml
 
 
 def install(merge_module: ModuleType) -> None:
@@ -61,6 +61,7 @@ def merge_with_surgery(
     from mergekit_darts.config import surgery_block
     from mergekit_darts.integrations.upstream import neox_buffers_optional
 
+    env_flag(NO_HOOK)  # the startup hook only warned about a value that is not a boolean
     neox_buffers_optional()
     block = surgery_block(config_source)
     if block is None:
@@ -89,7 +90,7 @@ def prepare_merge_surgery(
     from mergekit_darts.errors import SurgeryConfigError
 
     if overwrite is None:
-        overwrite = os.environ.get(OVERWRITE_ENV, "") not in ("", "0")
+        overwrite = env_flag(OVERWRITE_ENV)
     builds_tokenizer = (
         merge_config.tokenizer is not None or merge_config.tokenizer_source is not None
     )
@@ -109,6 +110,7 @@ def prepare_merge_surgery(
         out_path=out_path,
         overwrite=overwrite,
         check_vocab=not (own_tokenizer or stand_in),
+        chat_template_set=bool(merge_config.chat_template),
     )
     _check_padding(merge_config, prepared)
     return prepared

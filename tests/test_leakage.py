@@ -1,0 +1,71 @@
+"""The leakage check of hf-darts on a folder the real pipeline calibrated: prompts cut by
+`max_length` are matched only through full 13-token windows, never as a whole."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from lm_eval.api.instance import Instance
+from transformers import AutoTokenizer
+
+from lm_eval_darts.leakage import LeakageCheck
+from mergekit_darts.integrations.post_merge import run_surgery
+from mergekit_darts.manifest import surgery_dir
+
+# Requests that share only the first words of calibration prompts ("question :", "def add",
+# "the sun", "repeat the"), and one that holds a whole prompt ("the sun and the moon").
+UNRELATED = [
+    "question : what colour is the sky",
+    "def add_one ( n ) : pass",
+    "the sun is a star",
+    "repeat the question",
+]
+WHOLE = "say the sun and the moon twice"
+
+
+def calibrated(merged: Path, data: Path, folder: Path, max_length: int) -> Path:
+    shutil.copytree(merged, folder)
+    block = {
+        "steps": 2,
+        "tasks": [
+            {
+                "name": "math",
+                "target": str(data.parent / "math"),
+                "calibration": {
+                    "path": str(data / "math.jsonl"),
+                    "field": "question",
+                    "max_length": max_length,
+                },
+            }
+        ],
+    }
+    run_surgery(folder, block, progress=False, write_card=False)
+    return surgery_dir(folder)
+
+
+def overlaps(surgery: Path, texts: list[str]) -> int:
+    check = LeakageCheck(AutoTokenizer.from_pretrained(surgery.parent))
+    requests = [
+        Instance("generate_until", {}, (text, {}), index, ("darts_task", index, 1))
+        for index, text in enumerate(texts)
+    ]
+    check.check(requests, surgery, lambda task: "math")
+    return check.counts.get("darts_task", 0)
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_merged, calibration_data, tmp_path_factory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("leakage")
+    return {n: calibrated(tiny_merged, calibration_data, root / str(n), n) for n in (3, 512)}
+
+
+def test_cut_prompts_do_not_match_unrelated_requests(folders):
+    assert overlaps(folders[3], UNRELATED) == 0
+    assert overlaps(folders[3], [WHOLE]) == 0  # its 2-word head is no evidence either
+
+
+def test_whole_prompts_that_were_not_cut_still_match(folders):
+    assert overlaps(folders[512], UNRELATED) == 0
+    assert overlaps(folders[512], [WHOLE]) == 1
