@@ -53,7 +53,16 @@ def test_layer_imports_without_what_comes_after_it(package, forbidden):
 # deploy/modeling_darts.py is shipped inside exports and imports nothing from this package, so it
 # sits with the foundations.
 LAYERS = [
-    ("errors", "fs", "messages", "manifest", "routing", "deploy.modeling_darts", "deploy"),
+    (
+        "errors",
+        "envflags",
+        "fs",
+        "messages",
+        "manifest",
+        "routing",
+        "deploy.modeling_darts",
+        "deploy",
+    ),
     ("core", "losses", "metrics"),
     ("config",),
     ("artifacts", "apply"),

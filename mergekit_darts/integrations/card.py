@@ -21,9 +21,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from mergekit_darts.config.messages import first_line
 from mergekit_darts.fs import write_text
 from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR, Manifest, TaskEntry
+from mergekit_darts.messages import first_line
 
 LOG = logging.getLogger("mergekit_darts")
 START = "<!-- mergekit-darts:surgery -->"
