@@ -37,6 +37,26 @@ class Captured:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class NonFiniteCapture(ValueError):
+    """The model itself computed a value that is not finite: nothing to calibrate on."""
+
+
+MODEL_FIX = (
+    "the model itself computes them (NaN or inf weights, or an overflow of its dtype): check "
+    "its weights, or use a wider dtype (bfloat16 or float32)"
+)
+
+
+def require_finite(values: torch.Tensor, what: str, rows: slice, fix: str = MODEL_FIX) -> None:
+    """Raise :class:`NonFiniteCapture` naming ``what``, the sequences and ``fix`` unless finite."""
+    if not bool(values.isfinite().all()):
+        bad = int((~values.isfinite()).sum())
+        raise NonFiniteCapture(
+            f"{what} that are not finite ({bad} NaN or inf values on calibration sequences "
+            f"{rows.start}-{rows.stop - 1}); {fix}"
+        )
+
+
 class _StopForward(Exception):
     """Raised by the capture hook once the hidden state is in hand and logits are not needed."""
 
@@ -127,12 +147,19 @@ def capture(
             except _StopForward:
                 out = None
             rows, t = slice(start, start + ids.shape[0]), ids.shape[1]
+            real = attn.to(device=seen[0].device, dtype=torch.bool)
+            require_finite(seen[0][real], f"hidden states ({seen[0].dtype})", rows)
             hidden[rows, :t] = seen[0].to(device=cache_device, dtype=cache_dtype)
             mask[rows, :t] = attn.to(device=cache_device, dtype=torch.bool)
+            kept = hidden[rows, :t][mask[rows, :t]]
+            cast = f"hidden states cast to the cache dtype {cache_dtype}"
+            require_finite(kept, cast, rows, "set cache_dtype: bfloat16 or float32")
             if out is not None and output is not None and output.verified is None:
                 output.verify(seen[0], out.logits, attn)
             if out is not None and with_entropy:
                 _store_entropy(entropy, start, t, out.logits, cache_device)
+                found = entropy[rows, :t][mask[rows, :t]]
+                require_finite(found, "next-token entropies (from its logits)", rows)
             need_logits = with_entropy
             # Drop this batch's logits and hidden state now: held over (by ``out``, or by a loop
             # variable viewing a row of them) they would coexist with the next batch's, two

@@ -10,11 +10,13 @@ distinct targets cost T + 1 loads, and a warm store loads none.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from mergekit_darts.calibrate.capture import Captured, capture
+from mergekit_darts.calibrate.capture import Captured, NonFiniteCapture, capture
 from mergekit_darts.calibrate.continuation import completion_mask, continue_prompts, eos_token_ids
 from mergekit_darts.calibrate.runtime import LazyModel, Runtime, stage, timer
 from mergekit_darts.calibrate.store import (
@@ -26,6 +28,7 @@ from mergekit_darts.calibrate.store import (
     sequences_sha256,
 )
 from mergekit_darts.config import ResolvedTask
+from mergekit_darts.errors import SurgeryRunError
 
 
 @dataclass
@@ -177,6 +180,7 @@ def _capture_all(
                 with (
                     stage(cal.name, f"capturing {what} hidden states"),
                     timer(cal.timings, timing),
+                    _finite_or_stop(cal.name, model.label),
                 ):
                     found = capture(
                         loaded,
@@ -198,6 +202,18 @@ def _capture_all(
             cal.target = view
         else:
             cal.merged = view
+
+
+@contextmanager
+def _finite_or_stop(task: str, label: str) -> Iterator[None]:
+    """A model that computes NaN or inf stops the run with one line: nothing to train on."""
+    try:
+        yield
+    except NonFiniteCapture as err:
+        raise SurgeryRunError(
+            f"surgery task {task!r}: {label} computes {err}; the merged model and any existing "
+            "surgery/ folder are unchanged"
+        ) from None
 
 
 def _view(captured: Captured, with_entropy: bool, with_head: bool) -> Captured:
