@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.calibrate.collect import logits_need
 from mergekit_darts.calibrate.data import Prompts
 from mergekit_darts.calibrate.runtime import Runtime, stage, timer
 from mergekit_darts.calibrate.selection import HeldOut, choose, held_out_metrics, holdout_split
@@ -27,7 +28,6 @@ from mergekit_darts.calibrate.train import (
     train_surgery,
 )
 from mergekit_darts.config import OVERRIDABLE, ResolvedTask
-from mergekit_darts.core.losses import LOGIT_LOSSES
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.errors import HeadError, SurgeryRunError
 
@@ -226,8 +226,7 @@ def _held_out_entry(run: TaskRun, module: SurgeryModule, *, saved: bool) -> dict
 def _require_heads(run: TaskRun) -> None:
     """kl, ce, select by agreement or KL need logits the model really produces: one line if not."""
     task = run.task
-    losses = sorted({c.loss for c in task.candidates()} & set(LOGIT_LOSSES))
-    what = f"loss {losses[0]}" if losses else f"select metric {task.select.metric}"
+    what = logits_need(task)
     try:
         for captured in (run.target, run.merged):
             captured.head.require(what)
