@@ -42,7 +42,7 @@ def head_block(target: str, calibration: str, settings: Any) -> dict[str, Any]:
             "calibration": {
                 "path": calibration,
                 "field": "text",
-                "num_samples": settings.n - i,
+                "num_samples": max(1, settings.n - i),
                 "max_length": settings.max_length,
             },
         }

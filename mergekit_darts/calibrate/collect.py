@@ -238,6 +238,7 @@ def _capture_all(
 
 
 def _same_head(a: OutputHead, b: OutputHead) -> bool:
+    """Whether two heads are one output path (so one copy can stand for both)."""
     same_bias = (a.bias is None) == (b.bias is None) and (
         a.bias is None or torch.equal(a.bias, b.bias)
     )
