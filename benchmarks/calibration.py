@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import heads
 from benchmarks.fixtures import model_file_bytes
 from benchmarks.measure import PeakTracker, alternate, clock, cuda_sync, paired_ratio
 
@@ -392,7 +393,12 @@ def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) ->
     baselines = run_isolated(
         phase_time_baselines, pair.merged, pair.target, sequences, view, isolate=settings.isolate
     )
-    return summarise(tasks, with_entropy, hidden_only, naive, baselines, settings, len(tokenizer))
+    found = summarise(tasks, with_entropy, hidden_only, naive, baselines, settings, len(tokenizer))
+    found["heads"] = heads.run(settings, workdir, str(calib), tick)
+    found["ratios"][f"peak memory / one float32 LM head, {heads.HEAD_TASKS} kl tasks"] = ratio(
+        found["heads"]["peak_in_heads"], None
+    )
+    return found
 
 
 def summarise(

@@ -9,7 +9,8 @@ readers never see half of it.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,34 @@ def load_surgery(folder: str | Path, task: str | None = None) -> SurgeryModule:
     return module.eval()
 
 
+def _require_finite(folder: Path, modules: Mapping[str, SurgeryModule], manifest: Manifest) -> None:
+    """No module weight or manifest number that is NaN or inf is ever written: one line if so."""
+    refused = f"refusing to write {folder}: nothing was written and any existing folder stays"
+    for name, module in modules.items():
+        for key, tensor in module.state_dict().items():
+            if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+                raise SurgeryFormatError(
+                    f"surgery task {name!r}: {key} holds values that are not finite (NaN or "
+                    f"inf); {refused}"
+                )
+    # Python mode: the JSON form would already have turned NaN and inf into null.
+    for where, value in _numbers(manifest.model_dump(), "manifest"):
+        if not math.isfinite(value):
+            raise SurgeryFormatError(f"{where} is {value}, not a finite number; {refused}")
+
+
+def _numbers(value: Any, where: str) -> Iterator[tuple[str, float]]:
+    """Every float inside nested dicts and lists, with its key path."""
+    if isinstance(value, float):
+        yield where, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _numbers(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{where}[{index}]")
+
+
 def write_surgery_folder(
     folder: str | Path,
     modules: Mapping[str, SurgeryModule],
@@ -123,6 +152,7 @@ def write_surgery_folder(
     folder = Path(folder)
     if not isinstance(manifest, Manifest):
         manifest = Manifest.from_dict(manifest, where="the manifest to write")
+    _require_finite(folder, modules, manifest)
     for name in extra_files or {}:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise ValueError(f"extra file {name!r} must be a relative path inside the folder")

@@ -33,6 +33,9 @@ def test_every_section_reports(results):
         assert task["params"] > 0 and task["file_bytes"] > 0 and task["cache_bytes"] > 0
         assert task["memory"]["peak_rss"] > 0
     assert tasks["pos_corr"]["params"] > tasks["standard"]["params"]
+    heads = found["calibration"]["heads"]
+    assert heads["tasks"] == 4 and heads["head_float32_bytes"] == 256 * 64 * 4
+    assert {"target", "merged", "train"} <= set(heads["phases"])
     assert {r["axis"] for r in found["scaling"]["rows"]} == {"N", "T", "rank", "H"}
     store = found["store"]
     assert store["demo_block"]["loads"] == 4  # 15 tasks over 3 targets: the targets + the merge

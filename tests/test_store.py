@@ -195,3 +195,138 @@ def test_unwritable_cache_dir_is_refused_before_any_load(family, loads, tmp_path
     with pytest.raises(SurgeryConfigError, match=r"surgery.cache_dir: cannot write the capture"):
         run_surgery(family["merged"], block(family, blocker / "cache"), progress=False)
     assert loads == [] and not (family["merged"] / "surgery").exists()
+
+
+def _overwrite_hidden_bytes(entry: Path) -> None:
+    """The bytes of the ``hidden`` tensor become 0xFF (float NaN); header and other tensors intact."""
+    data = bytearray(entry.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8 : 8 + size])["hidden"]["data_offsets"]
+    data[8 + size + begin : 8 + size + end] = b"\xff" * (end - begin)
+    entry.write_bytes(bytes(data))
+
+
+def test_changed_tensor_bytes_under_an_intact_header_are_recomputed(family, loads, tmp_path):
+    """Issue 20.1: bit rot or a foreign writer is caught by the entry's checksum, never trained on."""
+    cache = tmp_path / "cache"
+    run_surgery(family["merged"], block(family, cache), progress=False)
+    good = module_bytes(family["merged"])
+    entries = sorted((cache / "captures").glob("*.safetensors"))
+    for entry in entries:
+        _overwrite_hidden_bytes(entry)
+        assert torch.isnan(load_file(entry)["hidden"]).all()  # readable, shapes intact, all NaN
+    loads.clear()
+    manifest = run_surgery(family["merged"], block(family, cache), overwrite=True, progress=False)
+    assert loads == ["math", "code", "merged"]  # every damaged entry recomputed
+    assert module_bytes(family["merged"]) == good
+    assert all(
+        torch.isfinite(torch.tensor(t["metrics"]["rho_l1"])) for t in manifest["tasks"].values()
+    )
+    for entry in entries:
+        assert torch.isfinite(load_file(entry)["hidden"]).all()
+
+
+def test_store_bytes_are_reproducible_and_a_non_finite_entry_is_a_miss(tmp_path):
+    """One metadata value (safetensors orders several at random); NaN with a valid checksum: a miss."""
+    from mergekit_darts.calibrate.capture import Captured
+
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    hidden = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    first, second = CaptureStore(tmp_path / "a"), CaptureStore(tmp_path / "b")
+    first.put("k", Captured(hidden, mask), model="local:m")
+    second.put("k", Captured(hidden, mask), model="local:m")
+    entry = tmp_path / "a" / "captures" / "k.safetensors"
+    assert entry.read_bytes() == (tmp_path / "b" / "captures" / "k.safetensors").read_bytes()
+    hidden[0, 1, 2] = float("inf")
+    first.put("k", Captured(hidden, mask), model="local:m")  # a writer that checks nothing
+    assert (
+        CaptureStore(tmp_path / "a").get("k", [3, 2], torch.float32, "cpu", model="local:m") is None
+    )
+    assert not entry.exists()  # discarded: the next capture overwrites it
+
+
+def _poison(folder: Path) -> None:
+    """One NaN in the final norm: the model computes NaN hidden states on every token."""
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    model.save_pretrained(folder)
+
+
+def test_a_model_computing_nan_stops_with_one_line_and_keeps_surgery(family, tmp_path):
+    from mergekit_darts.errors import SurgeryRunError
+
+    config = block(family, tmp_path / "cache")
+    run_surgery(family["merged"], config, progress=False)
+    good = module_bytes(family["merged"])
+    _poison(family["code"])
+    with pytest.raises(SurgeryRunError) as caught:
+        run_surgery(family["merged"], config, overwrite=True, progress=False)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"surgery task 'code': target {family['code']} computes hidden states" in message
+    assert "not finite" in message and "check its weights" in message
+    assert module_bytes(family["merged"]) == good  # the previous surgery/ stays
+
+
+def test_cache_dtype_overflow_is_named(family):
+    from mergekit_darts.calibrate.capture import NonFiniteCapture, capture
+
+    model = AutoModelForCausalLM.from_pretrained(family["merged"])
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1e6)  # finite in float32, beyond float16's 65504
+    with pytest.raises(
+        NonFiniteCapture, match=r"cast to the cache dtype torch.float16.*cache_dtype"
+    ):
+        capture(model, [[1, 2, 3]], cache_dtype=torch.float16, progress=False)
+
+
+def test_a_full_disk_warns_and_the_run_goes_on(family, loads, tmp_path, monkeypatch, caplog):
+    """Issue 20.10: the optional store failing to write is one warning, not a failed run."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from mergekit_darts.calibrate import store
+
+    for error in (
+        OSError(errno.ENOSPC, "No space left on device"),
+        SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
+    ):
+
+        def full(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(store, "save_file", full)
+        cache = tmp_path / f"cache-{type(error).__name__}"
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mergekit_darts"):
+            manifest = run_surgery(
+                family["merged"], block(family, cache), overwrite=True, progress=False
+            )
+        assert set(manifest["tasks"]) == {"math", "math_ewl1", "code"}
+        warnings = [r.getMessage() for r in caplog.records if "capture store" in r.getMessage()]
+        assert len(warnings) == 1 and "going on without the disk store" in warnings[0]
+        assert "\n" not in warnings[0]
+        assert not list(cache.rglob("*.safetensors")) and not list(cache.rglob(".*tmp*"))
+
+
+def test_a_refused_block_leaves_no_cache_dir_behind(family, tmp_path):
+    """Issue 20.10: cache_dir is made by the first entry written, not by the checks."""
+    from click.testing import CliRunner
+
+    from mergekit_darts.cli import main
+    from mergekit_darts.errors import SurgeryConfigError
+
+    cache = tmp_path / "new" / "cache"
+    config = block(family, cache)
+    config["tasks"][0]["calibration"]["path"] = str(tmp_path / "missing.jsonl")
+    with pytest.raises(SurgeryConfigError, match="missing.jsonl"):
+        run_surgery(family["merged"], config, progress=False)
+    assert not (tmp_path / "new").exists()
+    path = tmp_path / "surgery.yml"
+    path.write_text(json.dumps({**config, "cache_dir": None}))
+    args = ["calibrate", str(family["merged"]), str(path), "--quiet", "--cache-dir", str(cache)]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code != 0 and "missing.jsonl" in run.output
+    assert not (tmp_path / "new").exists()

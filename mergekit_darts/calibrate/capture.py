@@ -37,6 +37,26 @@ class Captured:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class NonFiniteCapture(ValueError):
+    """The model itself computed a value that is not finite: nothing to calibrate on."""
+
+
+MODEL_FIX = (
+    "the model itself computes them (NaN or inf weights, or an overflow of its dtype): check "
+    "its weights, or use a wider dtype (bfloat16 or float32)"
+)
+
+
+def require_finite(values: torch.Tensor, what: str, rows: slice, fix: str = MODEL_FIX) -> None:
+    """Raise :class:`NonFiniteCapture` naming ``what``, the sequences and ``fix`` unless finite."""
+    if not bool(values.isfinite().all()):
+        bad = int((~values.isfinite()).sum())
+        raise NonFiniteCapture(
+            f"{what} that are not finite ({bad} NaN or inf values on calibration sequences "
+            f"{rows.start}-{rows.stop - 1}); {fix}"
+        )
+
+
 class _StopForward(Exception):
     """Raised by the capture hook once the hidden state is in hand and logits are not needed."""
 
@@ -88,13 +108,19 @@ def capture(
     pad_id: int = 0,
     desc: str = "capture",
     progress: bool = True,
+    shared_head: OutputHead | None = None,
+    require_head: str | None = None,
 ) -> Captured:
     """Run ``model`` over ``sequences`` (token id lists, no padding) and record final hidden states.
 
     Positions are right-padded, so token ``t`` of each sequence sits at position ``t``: exactly
     the absolute position the surgery's position table is indexed by. ``with_head`` records the
     model's output path (:class:`OutputHead`) and checks it against the model's own logits on the
-    first batch, which for the merged model costs one full forward pass more.
+    first batch, which for the merged model costs one full forward pass more. ``shared_head``: this
+    model's head from an earlier capture, shared instead of copied (at 7B a float32 head is
+    0.5 GB per copy) and not checked again. ``require_head`` (e.g. "loss kl") raises
+    :class:`~mergekit_darts.errors.HeadError` right after the first batch when the head does not
+    reproduce the model's logits, so an unsupported model fails before the rest is captured.
     """
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("capture needs at least one sequence and no empty sequence")
@@ -107,8 +133,11 @@ def capture(
     entropy = torch.zeros((n, width), dtype=torch.float32, device=cache_device)
     device = input_device(model)
     seen: list[torch.Tensor] = []
-    output = OutputHead.of(model, cache_device) if with_head else None
-    need_logits = with_entropy or with_head  # the first batch's logits verify the head
+    output = None
+    if with_head:
+        output = shared_head if shared_head is not None else OutputHead.of(model, cache_device)
+    # the first batch's logits verify the head, unless an earlier capture did
+    need_logits = with_entropy or (output is not None and output.verified is None)
 
     def grab(_module: nn.Module, args: tuple) -> None:
         seen.append(args[0])
@@ -127,12 +156,21 @@ def capture(
             except _StopForward:
                 out = None
             rows, t = slice(start, start + ids.shape[0]), ids.shape[1]
+            real = attn.to(device=seen[0].device, dtype=torch.bool)
+            require_finite(seen[0][real], f"hidden states ({seen[0].dtype})", rows)
             hidden[rows, :t] = seen[0].to(device=cache_device, dtype=cache_dtype)
             mask[rows, :t] = attn.to(device=cache_device, dtype=torch.bool)
+            kept = hidden[rows, :t][mask[rows, :t]]
+            cast = f"hidden states cast to the cache dtype {cache_dtype}"
+            require_finite(kept, cast, rows, "set cache_dtype: bfloat16 or float32")
             if out is not None and output is not None and output.verified is None:
                 output.verify(seen[0], out.logits, attn)
+            if require_head is not None and start == 0:
+                output.require(require_head)
             if out is not None and with_entropy:
                 _store_entropy(entropy, start, t, out.logits, cache_device)
+                found = entropy[rows, :t][mask[rows, :t]]
+                require_finite(found, "next-token entropies (from its logits)", rows)
             need_logits = with_entropy
             # Drop this batch's logits and hidden state now: held over (by ``out``, or by a loop
             # variable viewing a row of them) they would coexist with the next batch's, two

@@ -10,11 +10,13 @@ distinct targets cost T + 1 loads, and a warm store loads none.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from mergekit_darts.calibrate.capture import Captured, capture
+from mergekit_darts.calibrate.capture import Captured, NonFiniteCapture, capture
 from mergekit_darts.calibrate.continuation import completion_mask, continue_prompts, eos_token_ids
 from mergekit_darts.calibrate.runtime import LazyModel, Runtime, stage, timer
 from mergekit_darts.calibrate.store import (
@@ -26,6 +28,9 @@ from mergekit_darts.calibrate.store import (
     sequences_sha256,
 )
 from mergekit_darts.config import ResolvedTask
+from mergekit_darts.core.head import OutputHead
+from mergekit_darts.core.losses import LOGIT_LOSSES
+from mergekit_darts.errors import HeadError, SurgeryRunError
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Calibration:
     completion_mask: torch.Tensor | None = None
     target: Captured | None = None
     merged: Captured | None = None
+    head_need: str | None = None  # what needs the model's own logits (checked on batch one)
     timings: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -54,7 +60,16 @@ class Calibration:
             continuation_tokens=task.calibration.continuation_tokens,
             batch_size=task.batch_size,
             with_head=task.needs_head,
+            head_need=logits_need(task),
         )
+
+
+def logits_need(task: ResolvedTask) -> str | None:
+    """What of ``task`` needs the model's own logits ("loss kl", "select metric agreement")."""
+    if not task.needs_logits:
+        return None
+    losses = sorted({c.loss for c in task.candidates()} & set(LOGIT_LOSSES))
+    return f"loss {losses[0]}" if losses else f"select metric {task.select.metric}"
 
 
 def group_by_target(calibrations: list[Calibration]) -> dict[str, list[Calibration]]:
@@ -146,9 +161,15 @@ def _capture_all(
     *,
     with_entropy: bool,
 ) -> None:
-    """One capture per distinct (sequences, batch size), with what any of its tasks needs."""
+    """One capture per distinct (sequences, batch size), with what any of its tasks needs.
+
+    Every capture of this model shares one :class:`OutputHead` (one float32 copy of the LM head
+    per model, not per capture). A task that needs the model's own logits has the head checked on
+    the first batch of the first capture (or when a stored entry is read), before the rest.
+    """
     keys = {}
     needs: dict[str, tuple[bool, bool]] = {}
+    requires: dict[str, tuple[str, str]] = {}  # key -> (task, what needs the logits)
     for cal in calibrations:
         key = entry_key(
             CAPTURES,
@@ -162,21 +183,30 @@ def _capture_all(
         keys[cal.name] = key
         entropy, head = needs.get(key, (False, False))
         needs[key] = (entropy or with_entropy, head or cal.with_head)
+        if cal.head_need is not None:
+            requires.setdefault(key, (cal.name, cal.head_need))
     done: dict[str, Captured] = {}
+    shared: OutputHead | None = None
     timing = f"capture_{role}_s"
     for cal in calibrations:
         key = keys[cal.name]
         if key not in done:
             lengths = [len(s) for s in cal.sequences]
+            owner, need = requires.get(key, (cal.name, None))
             found = store.get(
                 key, lengths, runtime.cache_dtype, runtime.device, needs[key], model=identity
             )
+            if found is not None and need is not None:
+                with _head_or_stop(owner):
+                    found.head.require(need)
             if found is None:
                 what = "the target's" if role == "target" else "the merged model's"
                 loaded = model.get(cal.name, cal.timings, f"load_{role}_s")
                 with (
                     stage(cal.name, f"capturing {what} hidden states"),
                     timer(cal.timings, timing),
+                    _finite_or_stop(cal.name, model.label),
+                    _head_or_stop(owner),
                 ):
                     found = capture(
                         loaded,
@@ -189,15 +219,52 @@ def _capture_all(
                         pad_id=runtime.pad_id,
                         desc=f"{cal.name}: {role}",
                         progress=runtime.progress,
+                        shared_head=shared,
+                        require_head=need,
                     )
                 store.stats.computed += 1
                 store.put(key, found, model=identity)
+            if found.head is not None:
+                if shared is None:
+                    shared = found.head
+                elif found.head is not shared and _same_head(found.head, shared):
+                    found.head = shared  # entries read from disk: one copy per model here too
             done[key] = found
         view = _view(done[key], with_entropy, cal.with_head)
         if role == "target":
             cal.target = view
         else:
             cal.merged = view
+
+
+def _same_head(a: OutputHead, b: OutputHead) -> bool:
+    """Whether two heads are one output path (so one copy can stand for both)."""
+    same_bias = (a.bias is None) == (b.bias is None) and (
+        a.bias is None or torch.equal(a.bias, b.bias)
+    )
+    settings = (a.scale, a.softcap, a.verified) == (b.scale, b.softcap, b.verified)
+    return settings and same_bias and torch.equal(a.weight, b.weight)
+
+
+@contextmanager
+def _head_or_stop(task: str) -> Iterator[None]:
+    """An output path that does not reproduce the model's logits: one line naming the task."""
+    try:
+        yield
+    except HeadError as err:
+        raise SurgeryRunError(f"surgery task {task!r}: {err}") from None
+
+
+@contextmanager
+def _finite_or_stop(task: str, label: str) -> Iterator[None]:
+    """A model that computes NaN or inf stops the run with one line: nothing to train on."""
+    try:
+        yield
+    except NonFiniteCapture as err:
+        raise SurgeryRunError(
+            f"surgery task {task!r}: {label} computes {err}; the merged model and any existing "
+            "surgery/ folder are unchanged"
+        ) from None
 
 
 def _view(captured: Captured, with_entropy: bool, with_head: bool) -> Captured:

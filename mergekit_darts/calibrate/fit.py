@@ -9,12 +9,14 @@ modules to train, on which sequences, and what is recorded about them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.calibrate.collect import logits_need
 from mergekit_darts.calibrate.data import Prompts
 from mergekit_darts.calibrate.runtime import Runtime, stage, timer
 from mergekit_darts.calibrate.selection import HeldOut, choose, held_out_metrics, holdout_split
@@ -26,9 +28,10 @@ from mergekit_darts.calibrate.train import (
     train_surgery,
 )
 from mergekit_darts.config import OVERRIDABLE, ResolvedTask
-from mergekit_darts.core.losses import LOGIT_LOSSES
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.errors import HeadError, SurgeryRunError
+
+LOG = logging.getLogger("mergekit_darts")
 
 
 @dataclass
@@ -97,9 +100,9 @@ def train_task(run: TaskRun, runtime: Runtime) -> None:
             run.task = chosen
             if task.select.refit:
                 run.train_rows = None
-                run.result = _fit(run, chosen, runtime, None)
+                run.result = _converged(run, chosen, _fit(run, chosen, runtime, None))
         else:
-            run.result = _fit(run, task, runtime, run.train_rows)
+            run.result = _converged(run, task, _fit(run, task, runtime, run.train_rows))
             module = run.result.module
         if run.held_rows is not None:
             run.held_out = _held_out_entry(run, module, saved=run.train_rows is not None)
@@ -129,11 +132,25 @@ def _fit(
     )
 
 
+def _converged(run: TaskRun, task: ResolvedTask, result: TrainResult) -> TrainResult:
+    """``result``, unless its training diverged: then one line saying so and what to lower."""
+    reason = result.divergence()
+    if reason is None:
+        return result
+    raise SurgeryRunError(
+        f"surgery task {run.task.name!r}: training diverged ({reason}); lower lr (now "
+        f"{task.lr:g}, default 1e-3); the merged model and any existing surgery/ folder are "
+        "unchanged"
+    )
+
+
 def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule]:
     """Every candidate on the training rows, scored on the held-out rows; returns the best.
 
     The score covers the task's loss positions; with completions each candidate is also
-    measured on the completion tokens alone (recorded, not used for the choice).
+    measured on the completion tokens alone (recorded, not used for the choice). A candidate
+    whose training diverged is left out of the choice, with a warning and its reason recorded
+    as ``diverged`` in its manifest entry (its numbers are null); if every one did, the run stops.
     """
     task, select = run.task, run.task.select
     counted = in_rows(run.loss_mask(task), run.held_rows)
@@ -145,14 +162,34 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
     candidates, results, entries = task.candidates(), [], []
     for candidate in candidates:
         result = _fit(run, candidate, runtime, run.train_rows)
+        results.append(result)
+        if (reason := result.divergence()) is not None:
+            LOG.warning(
+                "surgery task %r: select candidate %s + %s (lr %g) diverged (%s); left out of "
+                "the choice",
+                task.name,
+                candidate.module,
+                candidate.loss,
+                candidate.lr,
+                reason,
+            )
+            nothing = dict.fromkeys(("agreement", "kl", "rho_l1"))
+            entries.append({**settings_of(candidate), "held_out": nothing, "diverged": reason})
+            continue
         held = held_out_metrics(result.module, run.merged, run.target, counted).summary()
         if completion is not None and completion.any():
             held["completion"] = held_out_metrics(
                 result.module, run.merged, run.target, completion
             ).summary()
-        results.append(result)
         entries.append(
             {**settings_of(candidate), "held_out": held, "final_loss": result.final_loss}
+        )
+    if all("diverged" in e for e in entries):
+        raise SurgeryRunError(
+            f"surgery task {task.name!r}: training diverged for every select candidate "
+            f"({entries[0]['diverged']}, ...); lower lr (now "
+            f"{', '.join(sorted({f'{c.lr:g}' for c in candidates}))}, default 1e-3); the merged "
+            "model and any existing surgery/ folder are unchanged"
         )
     chosen = choose([e["held_out"][select.metric] for e in entries], select.metric)
     run.result = results[chosen]
@@ -189,8 +226,7 @@ def _held_out_entry(run: TaskRun, module: SurgeryModule, *, saved: bool) -> dict
 def _require_heads(run: TaskRun) -> None:
     """kl, ce, select by agreement or KL need logits the model really produces: one line if not."""
     task = run.task
-    losses = sorted({c.loss for c in task.candidates()} & set(LOGIT_LOSSES))
-    what = f"loss {losses[0]}" if losses else f"select metric {task.select.metric}"
+    what = logits_need(task)
     try:
         for captured in (run.target, run.merged):
             captured.head.require(what)

@@ -6,8 +6,11 @@ versions); never on the module, loss, rank, learning rate, steps or seed. So the
 a key of exactly those things (:func:`entry_key`): in memory for a run (a sweep's cells, the
 tasks of one block) and, with ``cache_dir``, on disk as safetensors written under a temporary
 name and renamed (:func:`mergekit_darts.fs.atomic_file`), so a killed run never leaves half an
-entry that looks whole. An entry that fails any check on reading is recomputed and overwritten,
-never used.
+entry that looks whole. Each entry carries the sha256 of its tensors (:func:`tensors_sha256`) in
+its one metadata value, so bytes changed under an intact header (bit rot, a foreign writer) are
+caught too. An entry that fails any check on reading (header, checksum, shapes, a value that is
+not finite) is recomputed and overwritten, never used. The disk store is optional: a write that
+fails (a full disk) is one warning, and the run goes on with its captures in memory.
 
 Weight files are identified by (name, size, mtime_ns, ctime_ns, inode), the way make and
 ccache's direct mode trust file metadata, because hashing 14 GB of a 7B checkpoint would take
@@ -22,6 +25,7 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from mergekit_darts.calibrate.capture import Captured
@@ -41,6 +46,7 @@ FORMAT = "darts-capture-store"
 STORE_VERSION = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 CAPTURES, COMPLETIONS = "captures", "completions"
+LOG = logging.getLogger("mergekit_darts")
 
 
 # ---- what determines a capture -------------------------------------------------------------------
@@ -108,13 +114,16 @@ class StoreStats:
 
 
 def check_cache_dir(cache_dir: str | Path | None) -> Path | None:
-    """The store's folder (resolved from the working directory), created and checked writable.
+    """The store's folder (resolved from the working directory), checked writable.
 
     Called before any model is loaded, so a bad ``cache_dir`` costs no merge and no capture.
+    Folders it makes for the check are removed again: the first entry written creates them, so
+    a block refused by a later check leaves no empty ``cache_dir`` behind.
     """
     if not cache_dir:
         return None
     folder = Path(cache_dir).expanduser().resolve()
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".probe-{os.getpid()}"
@@ -125,7 +134,29 @@ def check_cache_dir(cache_dir: str | Path | None) -> Path | None:
             f"surgery.cache_dir: cannot write the capture store to {folder} "
             f"({err.strerror or err}); choose a writable folder or remove the key"
         ) from None
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
     return folder
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of tensors by name, dtype, shape and bytes: an entry's checksum.
+
+    Computed from the tensors, not the file, so it can sit in the file's own header.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def _finite(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether every floating-point tensor holds only finite values."""
+    return all(bool(t.isfinite().all()) for t in tensors.values() if t.is_floating_point())
 
 
 class CaptureStore:
@@ -133,6 +164,7 @@ class CaptureStore:
 
     def __init__(self, cache_dir: str | Path | None = None) -> None:
         self.cache_dir = check_cache_dir(cache_dir)
+        self.disk_failed: str | None = None  # why disk writes stopped (a full disk), if they did
         self._captures: dict[str, Captured] = {}
         self._completions: dict[str, list[list[int]]] = {}
         self._owner: dict[str, str] = {}  # key -> identity of the model it came from
@@ -240,22 +272,37 @@ class CaptureStore:
             return None
         path = self._path(kind, key)
         try:
-            from safetensors import safe_open
-
             with safe_open(path, framework="pt") as f:
-                meta = f.metadata() or {}
-            if meta.get("format") != FORMAT or meta.get("key") != key:
+                meta = json.loads((f.metadata() or {})[FORMAT])
+            if meta.get("key") != key:
                 raise ValueError("not this entry")
-            return load_file(path, device=device)
+            tensors = load_file(path)  # on the CPU: checked before it goes anywhere
+            if tensors_sha256(tensors) != meta.get("sha256"):
+                raise ValueError("tensor bytes changed after the entry was written")
+            if not _finite(tensors):
+                raise ValueError("a value that is not finite")
+            return {name: t.to(device) for name, t in tensors.items()}
         except Exception:  # truncated, corrupt, foreign: recompute, never use
             self._discard(kind, key)
             return None
 
     def _write(self, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        if self.cache_dir is None:
+        if self.cache_dir is None or self.disk_failed is not None:
             return
-        with atomic_file(self._path(kind, key)) as tmp:
-            save_file(tensors, tmp, metadata={"format": FORMAT, "key": key})
+        # One metadata value: safetensors orders several keys at random, and equal entries
+        # should be equal bytes.
+        meta = json.dumps({"key": key, "sha256": tensors_sha256(tensors)}, sort_keys=True)
+        try:
+            with atomic_file(self._path(kind, key)) as tmp:
+                save_file(tensors, tmp, metadata={FORMAT: meta})
+        except (OSError, SafetensorError) as err:  # the store is optional: go on without it
+            reason = getattr(err, "strerror", None) or " ".join(str(err).split())[:200]
+            self.disk_failed = f"cannot write to {self.cache_dir} ({reason})"
+            LOG.warning(
+                "capture store: %s; going on without the disk store for this run (captures "
+                "stay in memory); free space or choose another cache_dir to keep them",
+                self.disk_failed,
+            )
 
     def _discard(self, kind: str, key: str) -> None:
         with contextlib.suppress(OSError):  # overwritten by the next write anyway
@@ -279,6 +326,8 @@ class CaptureStore:
         if self.cache_dir is not None:
             entries, size = self.disk_bytes()
             line += f"; {self.cache_dir}: {entries} entries, {size / 2**20:.1f} MiB"
+            if self.disk_failed is not None:
+                line += f" (not written: {self.disk_failed})"
         return line
 
 

@@ -137,6 +137,7 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
                 label = candidate_label(candidate, candidates)
                 numbers = [candidate["held_out"][k] for k in ("agreement", "kl", "rho_l1")]
                 kept = f"✓ by {selection['metric']}" if index == selection["chosen"] else ""
+                kept = "diverged" if "diverged" in candidate else kept
             before = (
                 f"{_number(held['all']['agreement_before'])} / "
                 f"{_number(held['all']['kl_before'], '.3g')}"
@@ -323,6 +324,6 @@ def _selection_table(selecting: Mapping[str, Mapping[str, Any]]) -> Table:
                 _number(held["agreement"]),
                 _number(held["kl"], ".3g"),
                 _number(held["rho_l1"]),
-                f"✓ by {selection['metric']}" if chosen else "",
+                "diverged" if "diverged" in candidate else f"✓ by {selection['metric']}" * chosen,
             )
     return table
