@@ -11,6 +11,7 @@ references and under transformers' ``from_pretrained``.
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import os
 import shutil
@@ -650,17 +651,37 @@ def test_hardlink_across_filesystems_is_refused(merged: Path) -> None:
     assert not dest.exists()
 
 
-def test_a_failure_while_writing_leaves_nothing(
+@pytest.mark.parametrize("where", ["copyfile", "write_bytes"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(
+    where: str, merged: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mergekit_darts.deploy.export as module
+
+    def full(*_args: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if where == "copyfile":  # the merged shards (--link copy) and the tokenizer files
+        monkeypatch.setattr(module.shutil, "copyfile", full)
+    else:  # the surgery tensors
+        monkeypatch.setattr(Path, "write_bytes", full)
+    dest = tmp_path / "dest"
+    dest.mkdir()  # an empty DEST stays as it was
+    message = fail(str(merged), "--task", "add", str(dest), "--link", "copy")
+    assert "no space left on the device" in message and "nothing was written" in message
+    assert [p.name for p in tmp_path.iterdir()] == ["dest"] and not any(dest.iterdir())
+
+
+def test_another_write_error_is_one_line_too(
     merged: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import mergekit_darts.deploy.export as module
 
-    def broken(*_args: Any) -> None:
-        raise OSError("disk full")
+    def denied(src: Any, dst: Any) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dst))
 
-    monkeypatch.setattr(module.shutil, "copyfile", broken)
-    with pytest.raises(OSError, match="disk full"):
-        export(merged, tmp_path / "dest", "add", link="copy")
+    monkeypatch.setattr(module.os, "symlink", denied)
+    message = fail(str(merged), "--task", "add", str(tmp_path / "dest"))
+    assert "writing failed: Permission denied" in message and "nothing was written" in message
     assert list(tmp_path.iterdir()) == []
 
 
