@@ -11,6 +11,7 @@ references and under transformers' ``from_pretrained``.
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import os
 import shutil
@@ -463,6 +464,107 @@ def test_a_section_that_does_not_fit_the_model_is_refused(exported: Path, tmp_pa
     assert "\n" not in str(info.value)
 
 
+def without_surgery_tensors(exported: Path, folder: Path, keep_file: bool) -> Path:
+    """A copy of the pos_corr export whose weight index no longer lists the surgery tensors."""
+    folder = Path(shutil.copytree(exported / "pos_corr", folder, symlinks=True))
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"] = {
+        k: v for k, v in index["weight_map"].items() if not k.startswith("darts_surgery.")
+    }
+    index_file.write_text(json.dumps(index))
+    if not keep_file:
+        (folder / "darts_surgery.safetensors").unlink()
+    return folder
+
+
+@pytest.mark.parametrize("keep_file", [False, True])
+def test_missing_surgery_tensors_are_refused(
+    keep_file: bool, exported: Path, tmp_path: Path
+) -> None:
+    """Not a model with an uninitialised surgery (NaN logits) and transformers' generic report."""
+    folder = without_surgery_tensors(exported, tmp_path / "bad", keep_file)
+    with pytest.raises(ValueError, match=r"darts_surgery\.\* tensors do not fit") as info:
+        load(folder)
+    message = str(info.value)
+    assert "\n" not in message and "darts_surgery.position_bias" in message
+    assert "mergekit-darts export" in message
+
+
+def test_surgery_tensors_of_another_module_are_refused(exported: Path, tmp_path: Path) -> None:
+    """A pos_corr config over a standard module's tensors, and over a misshapen position table."""
+    folder = Path(shutil.copytree(exported / "pos_corr", tmp_path / "bad", symlinks=True))
+    state = load_file(folder / "darts_surgery.safetensors")
+    for tensors, named in (
+        ({**state, "darts_surgery.position_embedding": state["darts_surgery.position_bias"].clone()},
+         "darts_surgery.position_embedding"),
+        ({**state, "darts_surgery.position_bias": torch.zeros(MAX_POSITIONS + 1, 64)},
+         "darts_surgery.position_bias"),
+    ):  # fmt: skip
+        save_file(tensors, folder / "darts_surgery.safetensors", metadata={"format": "pt"})
+        index_file = folder / "model.safetensors.index.json"
+        index = json.loads(index_file.read_text())
+        index["weight_map"] |= dict.fromkeys(tensors, "darts_surgery.safetensors")
+        index_file.write_text(json.dumps(index))
+        with pytest.raises(ValueError, match="tensors do not fit") as info:
+            load(folder)
+        assert named in str(info.value) and "\n" not in str(info.value)
+
+
+def test_threads_sharing_the_model_get_their_own_positions(
+    exported: Path, batch: dict[str, torch.Tensor], tiny_family: Any
+) -> None:
+    """Two threads in forward at once, with different batches and paddings, as each alone.
+
+    A barrier inside the first decoder layer holds each call until the other is inside its
+    forward too, so both calls are in flight when either reaches the LM head.
+    """
+    import copy
+    import threading
+
+    model = load(exported / "pos_corr")
+    right = AutoTokenizer.from_pretrained(tiny_family.base, padding_side="right")
+    other = dict(right(tiny_family.prompts[:2], return_tensors="pt", padding=True))
+    assert other["input_ids"].shape != batch["input_ids"].shape
+    with torch.no_grad():
+        alone = [model(**batch).logits, model(**other).logits]
+
+    barrier = threading.Barrier(2, timeout=60)
+
+    def meet(*_: Any) -> None:
+        barrier.wait()
+
+    layer = model.model.layers[0].register_forward_pre_hook(meet)
+    results: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def run(which: int, inputs: dict[str, torch.Tensor]) -> None:
+        try:
+            for _ in range(3):
+                with torch.no_grad():
+                    results[which].append(model(**inputs).logits)
+        except BaseException as err:  # noqa: BLE001  (reported by the main thread)
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i, x)) for i, x in enumerate((batch, other))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    layer.remove()
+    assert not errors, errors
+    for which in (0, 1):
+        for logits in results[which]:
+            torch.testing.assert_close(logits, alone[which], rtol=0, atol=1e-6)
+    # one persistent hook on the head, whatever the number of calls; a deep copy brings its own
+    assert len(model.lm_head._forward_pre_hooks) == 1
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(**batch).logits, alone[0])
+    assert len(twin.lm_head._forward_pre_hooks) == 1
+
+
 # ---- other architectures: tied embeddings, logit softcapping, sharded weights ----------------------
 
 
@@ -650,17 +752,37 @@ def test_hardlink_across_filesystems_is_refused(merged: Path) -> None:
     assert not dest.exists()
 
 
-def test_a_failure_while_writing_leaves_nothing(
+@pytest.mark.parametrize("where", ["copyfile", "write_bytes"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(
+    where: str, merged: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mergekit_darts.deploy.export as module
+
+    def full(*_args: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if where == "copyfile":  # the merged shards (--link copy) and the tokenizer files
+        monkeypatch.setattr(module.shutil, "copyfile", full)
+    else:  # the surgery tensors
+        monkeypatch.setattr(Path, "write_bytes", full)
+    dest = tmp_path / "dest"
+    dest.mkdir()  # an empty DEST stays as it was
+    message = fail(str(merged), "--task", "add", str(dest), "--link", "copy")
+    assert "no space left on the device" in message and "nothing was written" in message
+    assert [p.name for p in tmp_path.iterdir()] == ["dest"] and not any(dest.iterdir())
+
+
+def test_another_write_error_is_one_line_too(
     merged: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import mergekit_darts.deploy.export as module
 
-    def broken(*_args: Any) -> None:
-        raise OSError("disk full")
+    def denied(src: Any, dst: Any) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dst))
 
-    monkeypatch.setattr(module.shutil, "copyfile", broken)
-    with pytest.raises(OSError, match="disk full"):
-        export(merged, tmp_path / "dest", "add", link="copy")
+    monkeypatch.setattr(module.os, "symlink", denied)
+    message = fail(str(merged), "--task", "add", str(tmp_path / "dest"))
+    assert "writing failed: Permission denied" in message and "nothing was written" in message
     assert list(tmp_path.iterdir()) == []
 
 

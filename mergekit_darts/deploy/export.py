@@ -15,6 +15,7 @@ is written; the folder is built under a temporary name next to DEST and renamed 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -71,13 +72,29 @@ def export(
         _check_same_filesystem(source, dest)
     modules = {name: load_surgery(source.surgery, name) for name in tasks}
 
-    with staged_folder(dest, replace=False) as staging:
-        for name, module in modules.items():
-            folder = staging / name if all_tasks else staging
-            folder.mkdir(exist_ok=True)
-            shown = f"{dest.name}/{name}" if all_tasks else dest.name
-            _write_folder(folder, source, name, module.state_dict(), link, shown)
+    try:
+        with staged_folder(dest, replace=False) as staging:
+            for name, module in modules.items():
+                folder = staging / name if all_tasks else staging
+                folder.mkdir(exist_ok=True)
+                shown = f"{dest.name}/{name}" if all_tasks else dest.name
+                _write_folder(folder, source, name, module.state_dict(), link, shown)
+    except OSError as err:  # the staging folder is gone: DEST is as it was
+        raise ExportError(_write_failed(dest, err)) from err
     return [dest / name for name in tasks] if all_tasks else [dest]
+
+
+def _write_failed(dest: Path, err: OSError) -> str:
+    """One line for a write that failed (a full disk, a quota, permissions) while staging DEST."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        cause = f"no space left on the device of {dest.parent} (a full disk or quota)"
+        fix = "free some space or choose a DEST elsewhere (--link symlink needs the least)"
+    else:
+        cause = f"writing failed: {err.strerror or err}" + (
+            f" ({err.filename})" if err.filename else ""
+        )
+        fix = "fix that and run the export again"
+    return f"could not export to {dest}: {cause}; nothing was written, {fix}"
 
 
 # ---- checks -----------------------------------------------------------------------------------------

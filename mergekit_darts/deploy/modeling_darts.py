@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -286,21 +287,6 @@ def head_positions(
     return kept
 
 
-def _correct_head_input(
-    surgery: DartsSurgery, positions: torch.Tensor | None, logits_to_keep: int | torch.Tensor
-) -> Callable[[nn.Module, tuple], tuple]:
-    """A forward pre-hook for the output embedding: replaces its input ``h`` by ``h_hat``."""
-
-    def hook(_head: nn.Module, args: tuple) -> tuple:
-        h = args[0]
-        where = surgery.down.weight.device
-        kept = None if positions is None else head_positions(positions, logits_to_keep, h).to(where)
-        with torch.autocast(h.device.type, enabled=False):  # float32 even under autocast
-            return (surgery(h.to(where), kept).to(h.device), *args[1:])
-
-    return hook
-
-
 # ---- transformers classes ---------------------------------------------------------------------------
 
 
@@ -335,8 +321,26 @@ class DartsConfig(PretrainedConfig):
         return darts_config_class(base_model_type).from_dict(config_dict, **kwargs)
 
 
+class _RunningCalls(threading.local):
+    """Per thread: ``id(model)`` -> (positions, logits_to_keep) of that model's running forward."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, tuple[torch.Tensor | None, int | torch.Tensor]] = {}
+
+
+_RUNNING = _RunningCalls()
+_HOOKING = threading.Lock()  # one hook per head even when threads make their first calls at once
+
+
 class _DartsModelMixin:
-    """Adds ``darts_surgery`` and applies it to the LM head's input on every forward call."""
+    """Adds ``darts_surgery`` and applies it to the LM head's input on every forward call.
+
+    One forward pre-hook on the output embedding, a bound method of the model (so ``deepcopy``
+    and pickling carry it to the copy), reads the positions of the call running *in its own
+    thread*: threads that share the model never see each other's positions. The head is hooked
+    on the first call (again if ``resize_token_embeddings`` replaced it); outside this model's
+    forward (the head called directly) the hook leaves the input alone.
+    """
 
     _auto_class = None  # auto_map and the file copy come with the config (see _DartsConfigMixin)
     _darts_forward_names: tuple[str, ...] = ()
@@ -347,16 +351,59 @@ class _DartsModelMixin:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.update(zip(self._darts_forward_names, args, strict=False))
-        head = self.get_output_embeddings()  # type: ignore[attr-defined]
-        hook = head.register_forward_pre_hook(
-            _correct_head_input(
-                getattr(self, SURGERY), call_positions(kwargs), kwargs.get("logits_to_keep", 0)
-            )
-        )
+        self._darts_hook_head()
+        calls, key = _RUNNING.calls, id(self)
+        outer = calls.get(key)  # a forward call nested in another of the same model, same thread
+        calls[key] = (call_positions(kwargs), kwargs.get("logits_to_keep", 0))
         try:
             return super().forward(**kwargs)  # type: ignore[misc]
         finally:
-            hook.remove()
+            if outer is None:
+                del calls[key]
+            else:
+                calls[key] = outer
+
+    def _darts_hook_head(self) -> None:
+        head = self.get_output_embeddings()  # type: ignore[attr-defined]
+        hook = self._darts_correct_head_input
+        if hook not in head._forward_pre_hooks.values():
+            with _HOOKING:
+                if hook not in head._forward_pre_hooks.values():
+                    head.register_forward_pre_hook(hook)
+
+    def _darts_correct_head_input(self, _head: nn.Module, args: tuple) -> tuple | None:
+        """Replaces the head's input ``h`` by ``h_hat`` during this model's forward calls."""
+        call = _RUNNING.calls.get(id(self))
+        if call is None:
+            return None
+        positions, logits_to_keep = call
+        h, surgery = args[0], getattr(self, SURGERY)
+        where = surgery.down.weight.device
+        kept = None if positions is None else head_positions(positions, logits_to_keep, h).to(where)
+        with torch.autocast(h.device.type, enabled=False):  # float32 even under autocast
+            return (surgery(h.to(where), kept).to(h.device), *args[1:])
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info: Any) -> None:
+        """Refuses a checkpoint whose surgery tensors are missing or do not fit the config.
+
+        ``from_pretrained`` reports the keys it could not load to this method (transformers 5)
+        before it logs its report: the surgery would otherwise be left uninitialised (NaN logits).
+        """
+        super()._adjust_missing_and_unexpected_keys(loading_info)  # type: ignore[misc]
+        missing = {k for k in loading_info.missing_keys if k.startswith(PREFIX)}
+        mismatched = {k for k in loading_info.mismatched_keys if k[0].startswith(PREFIX)}
+        unexpected = {k for k in loading_info.unexpected_keys if k.startswith(PREFIX)}
+        if missing or mismatched or unexpected:
+            loading_info.missing_keys -= missing  # the one line below says it all
+            loading_info.mismatched_keys -= mismatched
+            loading_info.unexpected_keys -= unexpected
+            found = sorted(unexpected | {k[0] for k in mismatched})
+            raise ValueError(
+                f"this DARTS export's {PREFIX}* tensors do not fit its config.json's "
+                f"{getattr(self, SURGERY).kind} module (missing: {sorted(missing) or 'none'}; "
+                f"unexpected or misshapen: {found or 'none'}): its {SURGERY_FILE} or weight "
+                f"index is damaged; {_HINT}"
+            )
 
 
 @functools.cache

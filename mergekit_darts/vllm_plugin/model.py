@@ -8,11 +8,18 @@ shipped ``modeling_darts.py`` builds under transformers (``DartsSurgery``; same 
 :mod:`mergekit_darts.core.modules`). No model code is copied: one generic subclass per base
 class, built on first use by the module ``__getattr__`` that vLLM's lazy ``"module:Class"``
 registrations (and pickle) resolve through.
+
+Architectures vLLM serves only through its Transformers backend (Phi, GPT-NeoX, OLMo2,
+Starcoder2, ...) get the same subclass of that backend's class, which runs transformers' own model
+built by ``AutoModel.from_config(hf_config)`` and returns its final hidden states just the same;
+:class:`_TransformersBackendMixin` only tells transformers which model the ``Darts<Base>Config``
+stands for (see its docstring).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -26,8 +33,11 @@ from mergekit_darts.deploy.modeling_darts import (
     PREFIX,
     SURGERY,
     DartsSurgery,
+    darts_section,
     surgery_for,
 )
+
+TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers.base"  # defines its class `Base`
 
 
 class _DartsMixin(nn.Module):
@@ -90,6 +100,36 @@ class _DartsMixin(nn.Module):
         return {f"{SURGERY}.{name}" for name in tensors}
 
 
+class _TransformersBackendMixin(nn.Module):
+    """For vLLM's Transformers backend: let it build the base model from a ``Darts<Base>Config``.
+
+    The backend builds transformers' own model with ``AutoModel.from_config(hf_config)``, which
+    knows ``PhiConfig`` but not its ``DartsPhiConfig`` subclass, and maps checkpoint names with
+    the renamings transformers keeps per architecture name (GPT-NeoX's ``embed_out`` ->
+    ``lm_head``), which it looks up under the config's ``DartsGPTNeoXForCausalLM``. Both are
+    registered here, in the process that builds the model, through transformers' own registries:
+    the config class -> the base's model class, ``Darts<Arch>`` -> ``<Arch>``'s renamings.
+    """
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any):
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        config = vllm_config.model_config.hf_config
+        darts = darts_section(config)
+        base_model = MODEL_MAPPING[CONFIG_MAPPING[darts["base_model_type"]]]
+        MODEL_MAPPING.register(type(config), base_model, exist_ok=True)
+        renamings = get_checkpoint_conversion_mapping(darts["base_architecture"])
+        if renamings:
+            name = ARCHITECTURE_PREFIX + darts["base_architecture"]
+            register_checkpoint_conversion_mapping(name, renamings, overwrite=True)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+
+
 @functools.cache
 def darts_model_class(arch: str) -> type[nn.Module]:
     """``Darts<arch>``: a subclass of the class vLLM registers for ``arch``."""
@@ -101,8 +141,12 @@ def darts_model_class(arch: str) -> type[nn.Module]:
             f"{arch} is not a text-generating model in vLLM (no compute_logits): DARTS corrects "
             "the hidden states in front of an LM head"
         )
+    mixins: tuple[type, ...] = (_DartsMixin,)
+    backend = sys.modules.get(TRANSFORMERS_BACKEND)  # loaded with `base` if `base` is one of its
+    if backend is not None and issubclass(base, backend.Base):
+        mixins += (_TransformersBackendMixin,)
     name = ARCHITECTURE_PREFIX + arch
-    return type(name, (_DartsMixin, base), {"__module__": __name__, "__qualname__": name})
+    return type(name, (*mixins, base), {"__module__": __name__, "__qualname__": name})
 
 
 def __getattr__(name: str) -> type[nn.Module]:
