@@ -414,6 +414,8 @@ class _DartsConfigMixin:
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()  # type: ignore[misc]
         output["auto_map"] = {**(output.get("auto_map") or {}), **AUTO_MAP}
+        if isinstance(output.get("darts"), dict):  # a saved model writes weight files of its own
+            output["darts"] = {k: v for k, v in output["darts"].items() if k != "weights"}
         return output
 
 
