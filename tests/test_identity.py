@@ -190,3 +190,30 @@ def test_fingerprints_see_every_tensor_and_not_the_recipe(merged, tmp_path):
     save_file(tensors, merged / "model.safetensors", metadata={"format": "pt"})
     assert weights_identity(merged) != key
     assert weights_identity(tmp_path) is None  # no model here: nothing to compare
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"../model.safetensors": "0" * 64},
+        {"sub/model.safetensors": "0" * 64},
+        {"model.safetensors": "not a digest"},
+        ["model.safetensors"],
+    ],
+)
+def test_a_bad_weights_record_gets_a_one_line_error(merged, tmp_path, weights):
+    from mergekit_darts.deploy.modeling_darts import darts_section
+
+    dest = export(merged, tmp_path / "dest", "math", link="copy")[0]
+    config = json.loads((dest / "config.json").read_text())
+    config["darts"]["weights"] = weights
+    with pytest.raises(ValueError, match="darts.weights must map plain weight file names") as info:
+        darts_section(config)
+    assert "\n" not in str(info.value)
+
+
+def test_an_export_missing_a_listed_weight_file_is_refused(merged, tmp_path):
+    dest = export(merged, tmp_path / "dest", "math", link="symlink")[0]
+    (dest / "model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(Exception, match="model-00001-of-00001.safetensors"):
+        AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
