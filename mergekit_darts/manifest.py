@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.messages import describe_error
 from mergekit_darts.routing import check_task_name
 
 BLOCK_KEY = "surgery"  # the merge YAML's key for the block
@@ -126,8 +127,6 @@ class Manifest(_Record):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = MANIFEST) -> Manifest:
         """Validate ``data``; a problem is one line naming ``where`` and the key."""
-        from mergekit_darts.config.messages import describe_error
-
         try:
             return cls.model_validate(dict(data))
         except ValidationError as err:

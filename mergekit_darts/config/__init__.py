@@ -5,10 +5,9 @@
 - :mod:`~mergekit_darts.config.parse`: reading the YAML and the rules between keys;
 - :mod:`~mergekit_darts.config.preflight`: checks that open the files, configs and tokenizers the
   block names, before any merge work;
-- :mod:`~mergekit_darts.config.messages`: one-line messages naming the key path.
 
 Every error is one line naming the key path (``surgery.tasks[0].calibration.max_length``) and how
-to fix it, because it surfaces from inside the stock ``mergekit-yaml`` and must arrive before any
+to fix it (:mod:`mergekit_darts.messages`), because it surfaces from inside the stock ``mergekit-yaml`` and must arrive before any
 merge work starts. The names below are the ones the rest of the package imports from here.
 """
 

@@ -16,11 +16,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from mergekit_darts.config.messages import describe_error, first_line
 from mergekit_darts.config.resolve import ResolvedTask, resolve_tasks
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, SurgeryConfig
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.manifest import BLOCK_KEY
+from mergekit_darts.messages import describe_error, first_line
 from mergekit_darts.routing import DoubleClaim, eval_task_routes
 
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mergekit_darts.config.messages import first_line
 from mergekit_darts.config.resolve import ResolvedTask
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES
 from mergekit_darts.core.losses import LOGIT_LOSSES
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.manifest import surgery_dir
+from mergekit_darts.messages import first_line
 
 log = logging.getLogger("mergekit_darts")
 _warned: set[str] = set()  # folders already warned about

@@ -25,8 +25,8 @@ from mergekit_darts.config import (
     read_surgery_file,
     read_yaml,
 )
-from mergekit_darts.config.messages import describe_error, key_path, model_at
 from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.messages import describe_error, key_path, model_at
 
 ROOT = "sweep"  # the first part of every key path in a message
 BLOCK_KEYS = ("cache_dtype",)  # set once on the block, not per task

@@ -2,7 +2,7 @@
 
 pydantic reports every problem with a location tuple; a user wants the first one, as
 ``surgery.tasks[0].calibration.max_length: must be > 0 (got 0)``, plus what is allowed there.
-The block and the sweep spec both go through :func:`describe_error`.
+The block, the manifest and the sweep spec all go through :func:`describe_error`.
 """
 
 from __future__ import annotations
