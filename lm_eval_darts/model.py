@@ -23,7 +23,7 @@ from lm_eval.models.huggingface import HFLM
 
 from lm_eval_darts.hook import register
 from lm_eval_darts.leakage import LeakageCheck
-from mergekit_darts.apply import SurgeryHandle
+from mergekit_darts.apply import SurgeryHandle, model_folder
 from mergekit_darts.artifacts import load_surgery, read_manifest, resolve_task
 from mergekit_darts.core.modules import SurgeryModule
 from mergekit_darts.errors import SurgeryFormatError
@@ -58,6 +58,15 @@ def default_surgery_path(pretrained: Any, subfolder: str, revision: str | None) 
     return Path(root, subfolder, "surgery")
 
 
+def weights_folder(pretrained: Any, subfolder: str) -> Path | None:
+    """The local folder of the weights hf-darts corrects (None for a Hub id: the folder around
+    the downloaded surgery/ stands in for it)."""
+    if not isinstance(pretrained, str):
+        return model_folder(pretrained)
+    folder = Path(pretrained, subfolder)
+    return folder if folder.is_dir() else None
+
+
 @dataclass(frozen=True)
 class SurgeryPlan:
     """What ``hf-darts`` applies: one task's module, a per-lm-eval-task routing, or nothing."""
@@ -88,6 +97,7 @@ class SurgeryPlan:
             raise ValueError(f"surgery_map applies to surgery=auto, not to surgery={surgery}")
         folder = Path(surgery_path or default_surgery_path(pretrained, subfolder, revision))
         manifest = read_manifest(folder)
+        weights = weights_folder(pretrained, subfolder)
         names = tuple(manifest.tasks)
         if keyword is None and surgery_map is None:
             if len(names) > 1:
@@ -98,7 +108,8 @@ class SurgeryPlan:
             surgery = names[0]
         if surgery_map is None and keyword != AUTO:
             task = resolve_task(manifest, str(surgery), folder)
-            return cls(task, folder, names, modules={task: load_surgery(folder, task)})
+            module = load_surgery(folder, task, weights=weights)
+            return cls(task, folder, names, modules={task: module})
         routes = (
             manifest_routes(manifest) if surgery_map is None else parse_surgery_map(surgery_map)
         )
@@ -108,7 +119,7 @@ class SurgeryPlan:
                 f"surgery_map names surgery task(s) {', '.join(sorted(unknown))} not in {folder}; "
                 f"available: {', '.join(names)} (or none)"
             )
-        modules = {task: load_surgery(folder, task) for task in sorted(targets)}
+        modules = {task: load_surgery(folder, task, weights=weights) for task in sorted(targets)}
         return cls(AUTO, folder, names, routes, modules)
 
 

@@ -103,12 +103,20 @@ def apply_surgery(
     """Correct ``model``'s final hidden state with the surgery module of ``task`` stored at ``path``.
 
     ``path`` is a ``surgery/`` folder (``task`` may be omitted when it holds one task) or an
-    already-built :class:`SurgeryModule`. Returns a handle whose ``remove()`` undoes it.
+    already-built :class:`SurgeryModule`. A folder calibrated on other weights than the model's
+    (its local folder, ``model.name_or_path``; else the one around ``path``) is refused.
+    Returns a handle whose ``remove()`` undoes it.
     """
     if isinstance(path, SurgeryModule):
         module = path
     else:
         from mergekit_darts.artifacts import load_surgery
 
-        module = load_surgery(path, task)
+        module = load_surgery(path, task, weights=model_folder(model))
     return SurgeryHandle(model, module.eval())
+
+
+def model_folder(model: object) -> Path | None:
+    """The local folder a model was loaded from (``name_or_path``), or None (Hub id, built)."""
+    name = getattr(model, "name_or_path", None)
+    return Path(name) if isinstance(name, str) and name and Path(name).is_dir() else None

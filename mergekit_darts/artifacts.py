@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.fs import staged_folder
-from mergekit_darts.manifest import FORMAT, MANIFEST, VERSION, Manifest, module_file
+from mergekit_darts.identity import weights_identity
+from mergekit_darts.manifest import FORMAT, MANIFEST, SURGERY_YAML, VERSION, Manifest, module_file
 
 
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
@@ -74,11 +75,38 @@ def resolve_task(manifest: Manifest, task: str | None, folder: Path) -> str:
     return task
 
 
-def load_surgery(folder: str | Path, task: str | None = None) -> SurgeryModule:
-    """Load the module of ``task`` from a ``surgery/`` folder, checking shapes against the manifest."""
+def check_calibrated_on(manifest: Manifest, folder: Path, weights: str | Path | None) -> None:
+    """Refuse the ``surgery/`` ``folder`` when the weights it would correct are not those it was
+    calibrated on.
+
+    ``weights`` is the folder of the model the modules will correct (default: the model folder
+    around ``folder``). Nothing to compare passes: a manifest that records no identity (written
+    before it was recorded, or by hand), or no complete local model folder (a surgery folder kept
+    outside one, a Hub model not downloaded yet).
+    """
+    if manifest.merged_identity is None:
+        return
+    model = Path(weights) if weights is not None else folder.parent
+    found = weights_identity(model)
+    if found is None or found == manifest.merged_identity:
+        return
+    raise SurgeryFormatError(
+        f"{folder} was calibrated on other weights than those in {model} (the merge was redone "
+        f"or changed since): re-run `mergekit-darts calibrate {model} {folder / SURGERY_YAML} "
+        "--overwrite` (or restore the weights it was made for)"
+    )
+
+
+def load_surgery(
+    folder: str | Path, task: str | None = None, *, weights: str | Path | None = None
+) -> SurgeryModule:
+    """Load the module of ``task`` from a ``surgery/`` folder, checking shapes against the manifest
+    and the weights it will correct (``weights``, default the model folder around it) against
+    those it was calibrated on (:func:`check_calibrated_on`)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     task = resolve_task(manifest, task, folder)
+    check_calibrated_on(manifest, folder, weights)
     entry = manifest.tasks[task]
     kind, rank, max_positions = entry.module, entry.rank, entry.max_positions
     hidden_size = manifest.hidden_size

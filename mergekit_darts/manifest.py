@@ -105,6 +105,9 @@ class Manifest(_Record):
     versions: dict[str, str] = Field(default_factory=dict)
     timings: dict[str, float] = Field(default_factory=dict)
     captures: dict[str, int] = Field(default_factory=dict)
+    # mergekit_darts.identity.weights_identity of the weights calibrated on; None: a manifest
+    # written before it was recorded (or by hand), which loaders accept unchecked
+    merged_identity: str | None = None
     tasks: dict[str, TaskEntry]
 
     @field_validator("config")

@@ -44,6 +44,7 @@ from mergekit_darts.deploy.modeling_darts import (
     darts_section,
     head_positions,
     token_positions,
+    weights_fingerprint,
 )
 
 RANK, MAX_POSITIONS = 4, 8  # the test prompts run past 8 tokens: positions off the table too
@@ -248,7 +249,9 @@ def test_save_pretrained_round_trip(
     assert config["model_type"] == "darts"
     assert config["architectures"] == ["DartsLlamaForCausalLM"]
     assert config["auto_map"] == original["auto_map"]
-    assert config["darts"] == original["darts"]
+    # the saved copy's weight files are its own: the export's record of its linked files stays out
+    assert "weights" in original["darts"]
+    assert config["darts"] == {k: v for k, v in original["darts"].items() if k != "weights"}
     assert (tmp_path / "saved" / "modeling_darts.py").read_bytes() == MODELING_FILE.read_bytes()
     again = load(tmp_path / "saved")
     with torch.no_grad():
@@ -633,6 +636,11 @@ def test_all_writes_one_folder_per_task(merged: Path, exported: Path) -> None:
             "max_positions": MAX_POSITIONS,
             "hidden_size": 64,
             "prefix": "darts_surgery.",
+            "weights": {
+                "model-00001-of-00001.safetensors": weights_fingerprint(
+                    merged / "model.safetensors"
+                )
+            },
         }
         merged_config = json.loads((merged / "config.json").read_text())
         changed = {"model_type", "architectures", "auto_map", "darts"}

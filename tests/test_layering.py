@@ -63,6 +63,7 @@ LAYERS = [
         "deploy.modeling_darts",
         "deploy",
     ),
+    ("identity",),  # a model folder's content identity, on the shipped file's fingerprint
     ("core", "losses", "metrics"),
     ("config",),
     ("artifacts", "apply"),

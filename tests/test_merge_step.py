@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import load_surgery, run_surgery
-from mergekit_darts.errors import SurgeryConfigError, SurgeryRunError
+from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError, SurgeryRunError
 from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
 
 BIN = Path(sys.executable).parent
@@ -414,3 +414,104 @@ def test_calibrate_with_a_new_block_updates_the_recorded_recipe(workdir, tmp_pat
     readme = (out / "README.md").read_text()
     assert recipe in readme and source not in readme
     assert readme.count("## DARTS surgery") == 1
+
+
+# ---- a merge into a folder that holds a surgery of other weights ----------------------------------
+
+ONE_TASK = {**SURGERY, "steps": 2, "tasks": SURGERY["tasks"][:1]}
+
+
+def hooked_merge(out: Path, method: str, surgery: dict | None, **kwargs) -> None:
+    """``merge_with_surgery`` (the hook's wrapper) around the real, unwrapped ``run_merge``."""
+    source = merge_yaml(method, surgery)
+    merge_with_surgery(
+        inspect.unwrap(mergekit.merge.run_merge),
+        MergeConfiguration.model_validate(yaml.safe_load(source)),
+        str(out),
+        MergeOptions(quiet=True),
+        source,
+        **kwargs,
+    )
+
+
+def test_stock_remerge_sets_an_old_surgery_aside(workdir, tmp_path, monkeypatch):
+    """`mergekit-yaml` without a block into a folder with surgery/: the surgery of the replaced
+    weights is renamed aside (reported), and put back when the merge gives the same weights."""
+    monkeypatch.chdir(workdir)
+    out = tmp_path / "out"
+    hooked_merge(out, "task_arithmetic", ONE_TASK)
+    manifest = (out / "surgery" / "manifest.json").read_bytes()
+    hooked_merge(out, "task_arithmetic", None)  # the same merge again: same weights
+    assert (out / "surgery" / "manifest.json").read_bytes() == manifest
+    assert sorted(p.name for p in out.glob("surgery*")) == ["surgery"]
+    load_surgery(out / "surgery")
+
+    (tmp_path / "other.yml").write_text(merge_yaml("linear", surgery=None))
+    done = subprocess.run(
+        [str(BIN / "mergekit-yaml"), str(tmp_path / "other.yml"), str(out)],
+        cwd=workdir,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (aside,) = out.glob("surgery.set-aside-*")
+    assert f"{out / 'surgery'} was calibrated on the weights this merge replaces" in done.stderr
+    assert f"moved to {aside}" in done.stderr
+    assert not (out / "surgery").exists()
+    assert (aside / "manifest.json").read_bytes() == manifest  # nothing deleted
+    with pytest.raises(SurgeryFormatError, match="was calibrated on other weights"):
+        load_surgery(aside, weights=out)
+
+
+def test_a_failure_after_the_merge_says_what_was_written(workdir, tmp_path, monkeypatch):
+    """With the overwrite flag and a target that cannot load, the merge is written: the message
+    says so, and where the previous surgery (of the replaced weights) went."""
+    monkeypatch.chdir(workdir)
+    out = tmp_path / "out"
+    hooked_merge(out, "task_arithmetic", ONE_TASK)
+    manifest = (out / "surgery" / "manifest.json").read_bytes()
+    failing = {**ONE_TASK, "tasks": [{**ONE_TASK["tasks"][0], "target": "./broken"}]}
+    with pytest.raises(SurgeryRunError) as info:
+        hooked_merge(out, "linear", failing, overwrite=True)
+    (aside,) = out.glob("surgery.set-aside-*")
+    message = str(info.value)
+    assert "unchanged" not in message and "\n" not in message
+    assert message.startswith("surgery task 'math' failed while loading target ")
+    assert message.endswith(
+        f"; the merge was written to {out} (weights and recipe) and the previous surgery/ is "
+        f"at {aside} (calibrated on the weights it replaced)"
+    )
+    assert (aside / "manifest.json").read_bytes() == manifest and not (out / "surgery").exists()
+    assert yaml.safe_load((out / "mergekit_config.yml").read_text())["merge_method"] == "linear"
+
+    with pytest.raises(SurgeryRunError) as info:  # the same merge again: nothing is set aside
+        hooked_merge(out, "linear", failing, overwrite=True)
+    assert str(info.value).endswith(
+        f"; the merge was written to {out} (weights and recipe) and it has no surgery/"
+    )
+
+
+def test_calibrate_does_not_invalidate_its_own_captures(workdir, tmp_path, monkeypatch):
+    """`calibrate` records its block in mergekit_config.yml; the capture store's key of the merged
+    model leaves that file out, so the next `calibrate --overwrite` loads no model at all."""
+    from click.testing import CliRunner
+
+    from mergekit_darts.cli import main
+
+    monkeypatch.chdir(workdir)
+    out = tmp_path / "out"
+    cached = {**ONE_TASK, "cache_dir": str(tmp_path / "cache")}
+    hooked_merge(out, "task_arithmetic", cached)
+    for steps in (3, 4):  # each run records another block in the recipe
+        block = tmp_path / f"steps{steps}.yml"
+        block.write_text(yaml.safe_dump({"surgery": {**cached, "steps": steps}}))
+        done = CliRunner().invoke(
+            main, ["calibrate", str(out), str(block), "--overwrite", "--quiet"]
+        )
+        assert done.exit_code == 0, done.output
+        recipe = yaml.safe_load((out / "mergekit_config.yml").read_text())
+        assert recipe["surgery"]["steps"] == steps
+        manifest = json.loads((out / "surgery" / "manifest.json").read_text())
+        assert manifest["captures"]["model_loads"] == 0, (steps, manifest["captures"])

@@ -161,6 +161,53 @@ def test_a_changed_spec_reruns_a_cell_instead_of_reusing_it(spec_file):
     assert sweep.fingerprint("m", block, {}) == sweep.fingerprint("m", dict(block), {})
 
 
+def test_a_cell_is_redone_when_its_merge_target_or_calibration_changes(
+    spec_file, tiny_family, tmp_path, monkeypatch
+):
+    """Resume trusts content, not paths: other weights merged into the same `merged:` folder (or
+    an edited calibration file) rerun the cell instead of keeping its old numbers."""
+    import inspect
+
+    import mergekit.merge
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+
+    data = yaml.safe_load(spec_file.read_text())
+    merged = Path(shutil.copytree(data["merged"], tmp_path / "merged"))
+    calib = Path(shutil.copy(data["surgery"]["tasks"][0]["calibration"]["path"], tmp_path))
+    data["surgery"]["tasks"][0]["calibration"]["path"] = str(calib)
+    data.pop("compare")
+    data |= {"merged": str(merged), "output": str(tmp_path / "out"), "baseline": False}
+    data["grid"] = {"seed": [0]}
+    path = tmp_path / "sweep.yml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    calibrate = Counting(sweep_cell.calibrate)
+    monkeypatch.setattr(sweep_cell, "calibrate", calibrate)
+
+    def run() -> dict:
+        (record,) = sweep.run_sweep(sweep.load_spec(path), tmp_path / "out")
+        return record
+
+    first = run()
+    assert run() == first and calibrate.calls == 1  # unchanged: skipped
+    config = MergeConfiguration.model_validate(
+        {
+            "merge_method": "linear",
+            "models": [
+                {"model": str(tiny_family.math), "parameters": {"weight": 0.9}},
+                {"model": str(tiny_family.code), "parameters": {"weight": 0.1}},
+            ],
+            "dtype": "float32",
+        }
+    )
+    inspect.unwrap(mergekit.merge.run_merge)(config, str(merged), MergeOptions(quiet=True))
+    redone = run()
+    assert calibrate.calls == 2 and redone["fingerprint"] != first["fingerprint"]
+    assert redone["rho_l1"] != first["rho_l1"]  # the new weights' numbers, not the old ones
+    calib.write_text(calib.read_text().replace("two", "six"))
+    assert run()["fingerprint"] != redone["fingerprint"] and calibrate.calls == 3
+
+
 def test_cell_block_sets_grid_values_on_every_task():
     base = {"module": "pos_corr", "tasks": [{"name": "a", "module": "add", "calibration": {}}]}
     block = sweep.cell_block(

@@ -24,6 +24,8 @@ from mergekit_darts.calibrate.store import StoreStats
 from mergekit_darts.config import SurgeryConfig, by_files, resolve_device
 from mergekit_darts.errors import DartsError, SurgeryConfigError, SurgeryRunError
 
+UNCHANGED = "the merged model and any existing surgery/ folder are unchanged"  # after a failure
+
 
 @contextmanager
 def stage(task: str | None, what: str) -> Iterator[None]:
@@ -35,10 +37,7 @@ def stage(task: str | None, what: str) -> Iterator[None]:
     except Exception as err:
         who = f"surgery task {task!r}" if task else "surgery"
         detail = " ".join(f"{type(err).__name__}: {err}".split())[:400]
-        raise SurgeryRunError(
-            f"{who} failed while {what}: {detail}; the merged model and any existing surgery/ "
-            "folder are unchanged"
-        ) from err
+        raise SurgeryRunError(f"{who} failed while {what}: {detail}; {UNCHANGED}") from err
 
 
 @contextmanager

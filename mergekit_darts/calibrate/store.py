@@ -41,10 +41,11 @@ from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.core.head import OutputHead
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.fs import atomic_file
+from mergekit_darts.identity import WEIGHT_SUFFIXES
+from mergekit_darts.manifest import RECIPE
 
 FORMAT = "darts-capture-store"
 STORE_VERSION = 1
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 CAPTURES, COMPLETIONS = "captures", "completions"
 LOG = logging.getLogger("mergekit_darts")
 
@@ -55,15 +56,18 @@ LOG = logging.getLogger("mergekit_darts")
 def model_identity(ref: str) -> str:
     """A key for the model at ``ref``: a local folder's files, or the Hub id itself.
 
-    The model card, ``surgery/`` and hidden files are left out: writing a surgery into a merged
-    folder must not make its captures look stale.
+    The model card, the merge recipe (``mergekit_config.yml``), ``surgery/`` and hidden files are
+    left out: writing a surgery into a merged folder (which records its block in the recipe) must
+    not make its captures look stale.
     """
     folder = Path(ref)
     if not folder.is_dir():
         return "hub:" + ref  # disk entries need a local folder (see CaptureStore)
     digest = hashlib.sha256()
     for path in sorted(folder.iterdir()):
-        if path.name.startswith(".") or path.suffix == ".md" or not path.is_file():
+        if path.name.startswith(".") or path.suffix == ".md" or path.name == RECIPE:
+            continue  # not the model: the card and recipe are rewritten by surgery itself
+        if not path.is_file():
             continue
         digest.update(path.name.encode() + b"\0")
         if path.suffix in WEIGHT_SUFFIXES:

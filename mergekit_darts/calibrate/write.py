@@ -26,6 +26,7 @@ from mergekit_darts.calibrate.continuation import tokens_sha256
 from mergekit_darts.calibrate.fit import TaskRun, settings_of
 from mergekit_darts.config import SurgeryConfig, model_shape
 from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import BLOCK_KEY, SURGERY_YAML, Manifest, diagnostics_file, surgery_dir
 
 LOSS_CURVE_POINTS = 200  # the manifest keeps at most this many points of each loss curve
@@ -61,6 +62,7 @@ def write_surgery(
             "total_s": round(time.perf_counter() - started, 3),
         },
         "captures": captures,  # model loads, and captures computed or taken from the store
+        "merged_identity": weights_identity(merged),  # loaders refuse other weights
         "tasks": {run.task.name: _task_entry(run) for run in runs},
     }
     dumped = yaml.safe_dump({BLOCK_KEY: dict(block)}, sort_keys=False)

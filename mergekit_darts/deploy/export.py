@@ -29,11 +29,23 @@ import transformers
 import yaml
 from safetensors.torch import save
 
-from mergekit_darts.artifacts import load_surgery, read_manifest, resolve_task
+from mergekit_darts.artifacts import (
+    check_calibrated_on,
+    load_surgery,
+    read_manifest,
+    resolve_task,
+)
 from mergekit_darts.deploy import LINKS, modeling_darts
-from mergekit_darts.deploy.modeling_darts import MODEL_TYPE, PREFIX, SURGERY_FILE, export_config
+from mergekit_darts.deploy.modeling_darts import (
+    MODEL_TYPE,
+    PREFIX,
+    SURGERY_FILE,
+    export_config,
+    weights_fingerprint,
+)
 from mergekit_darts.errors import ExportError
 from mergekit_darts.fs import staged_folder
+from mergekit_darts.identity import WEIGHT_SUFFIXES
 from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS
 from mergekit_darts.manifest import RECIPE, surgery_dir
 
@@ -44,7 +56,6 @@ SINGLE = "model.safetensors"
 # a single-file merge is therefore exported under a shard name the index points to.
 SINGLE_AS_SHARD = "model-00001-of-00001.safetensors"
 _NOT_COPIED = {"config.json", "README.md", INDEX}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
 
 def export(
@@ -107,6 +118,9 @@ class _Source:
         self.out, self.config, self.weight_map = out, config, weight_map
         self.surgery = surgery_dir(out)
         self.manifest = read_manifest(self.surgery)
+        check_calibrated_on(self.manifest, self.surgery, out)
+        # what the shipped file checks on load: a linked export follows its merge's files
+        self.fingerprints = {s: weights_fingerprint(out / s) for s in self.shards()}
 
     @classmethod
     def read(cls, out: Path) -> _Source:
@@ -222,7 +236,7 @@ def _write_folder(
             file.is_file()
             and not file.name.startswith(".")
             and file.name not in _NOT_COPIED
-            and file.suffix not in _WEIGHT_SUFFIXES
+            and file.suffix not in WEIGHT_SUFFIXES
         ):
             shutil.copyfile(file, folder / file.name)
     tensors = {
@@ -243,6 +257,7 @@ def _write_folder(
         rank=entry.rank,
         max_positions=entry.max_positions,
         hidden_size=source.manifest.hidden_size,
+        weights={renamed.get(s, s): source.fingerprints[s] for s in source.shards()},
     )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)

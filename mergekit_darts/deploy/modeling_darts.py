@@ -19,7 +19,12 @@ torch, transformers and the standard library (it must load where mergekit-darts 
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import json
+import os
+import re
+import struct
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -57,6 +62,7 @@ AUTO_MAP = {
 MODULE_KINDS = ("standard", "pos_corr", "add", "parallel")
 _SIZES = ("rank", "max_positions", "hidden_size")
 _HINT = "re-export it with `mergekit-darts export`"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def export_config(
@@ -67,8 +73,13 @@ def export_config(
     rank: int,
     max_positions: int,
     hidden_size: int,
+    weights: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The exported ``config.json``: the merged model's ``config`` plus the checked ``darts`` section."""
+    """The exported ``config.json``: the merged model's ``config`` plus the checked ``darts`` section.
+
+    ``weights`` (weight file name in the export -> :func:`weights_fingerprint`) lets the loaded
+    folder prove its weights are still those the surgery was exported with.
+    """
     out = dict(config)
     out["architectures"] = [ARCHITECTURE_PREFIX + config["architectures"][0]]
     out["model_type"] = MODEL_TYPE
@@ -84,6 +95,7 @@ def export_config(
         "max_positions": max_positions,
         "hidden_size": hidden_size,
         "prefix": PREFIX,
+        **({"weights": dict(sorted(weights.items()))} if weights else {}),
     }
     darts_section(out)
     return out
@@ -123,7 +135,96 @@ def darts_section(config: Mapping[str, Any] | PretrainedConfig) -> dict[str, Any
             f"config.json's darts.prefix {darts.get('prefix')!r} is not the tensor name prefix "
             f"{PREFIX!r}: {_HINT}"
         )
+    weights = darts.get("weights", {})  # absent in exports made before it was recorded
+    if not isinstance(weights, dict) or not all(
+        isinstance(name, str)
+        and os.path.basename(name) == name
+        and name not in ("", ".", "..")
+        and isinstance(value, str)
+        and _SHA256.fullmatch(value)
+        for name, value in weights.items()
+    ):
+        raise ValueError(
+            f"config.json's darts.weights must map plain weight file names to sha256 hex digests: "
+            f"{_HINT}"
+        )
     return darts
+
+
+# ---- the weights the surgery belongs to --------------------------------------------------------------
+# A surgery module corrects the weights it was calibrated on, and no others. An export's weights are
+# symlinks, hardlinks or copies of its merge's files, so a merge redone in place changes a linked
+# export under it: the export records each weight file's fingerprint and refuses to load another.
+
+SAMPLE_BYTES = 256  # bytes read at each sampled offset
+SAMPLES_PER_TENSOR = 4  # evenly spaced over each tensor's data, first and last bytes included
+SAMPLES_PER_FILE = 4096  # a weight file that is not safetensors: evenly spaced over the file
+
+
+def weights_fingerprint(path: str | os.PathLike[str]) -> str:
+    """sha256 of a weight file's size, its safetensors header and a few bytes of every tensor.
+
+    Content, not metadata (mtime, inode), so every copy of a file has the same fingerprint; and
+    cheap: about a thousand small reads for a 7B checkpoint, where hashing every byte would take
+    as long as loading it. A different merge changes (nearly) every byte of the tensors it
+    changes, so it cannot pass; a deliberate edit of unsampled bytes could, which is not what this
+    guards against.
+    """
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(f"{size}\0".encode())
+    with open(path, "rb") as handle:
+        spans = _safetensors_spans(handle, size, digest)
+        count = SAMPLES_PER_TENSOR
+        if spans is None:  # not safetensors
+            spans, count = [(0, size)], SAMPLES_PER_FILE
+        for start, end in spans:
+            for offset in _sample_offsets(start, end, count):
+                handle.seek(offset)
+                digest.update(handle.read(min(SAMPLE_BYTES, end - offset)))
+    return digest.hexdigest()
+
+
+def _safetensors_spans(handle: Any, size: int, digest: Any) -> list[tuple[int, int]] | None:
+    """Each tensor's data (start, end) in the file, its header hashed into ``digest``; None when
+    the file is not safetensors."""
+    try:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > size - 8:
+            return None
+        raw = handle.read(length)
+        header = json.loads(raw)
+        spans = sorted(
+            (8 + length + info["data_offsets"][0], 8 + length + info["data_offsets"][1])
+            for name, info in header.items()
+            if name != "__metadata__"
+        )
+    except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    digest.update(raw)
+    return spans
+
+
+def _sample_offsets(start: int, end: int, count: int) -> list[int]:
+    """Where to read ``SAMPLE_BYTES`` in [start, end): all of it if small, else ``count`` spots."""
+    if end - start <= count * SAMPLE_BYTES:
+        return list(range(start, end, SAMPLE_BYTES))
+    last = end - SAMPLE_BYTES
+    return [start + (last - start) * i // (count - 1) for i in range(count)]
+
+
+def check_weights(folder: str | os.PathLike[str], darts: Mapping[str, Any]) -> None:
+    """Refuse a local export folder whose weight files are not those it was exported with."""
+    for name, expected in sorted(darts.get("weights", {}).items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is missing: this DARTS export lists it among its weights")
+        if weights_fingerprint(path) != expected:
+            raise ValueError(
+                f"{path} is not the weight file this DARTS export was made with (its merge was "
+                "redone or changed since; a --link symlink or hardlink export follows its source), "
+                "so its surgery belongs to other weights: re-run `mergekit-darts calibrate` on the "
+                "merge, then `mergekit-darts export` again"
+            )
 
 
 # ---- the correction --------------------------------------------------------------------------------
@@ -299,6 +400,8 @@ class _DartsConfigMixin:
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()  # type: ignore[misc]
         output["auto_map"] = {**(output.get("auto_map") or {}), **AUTO_MAP}
+        if isinstance(output.get("darts"), dict):  # a saved model writes weight files of its own
+            output["darts"] = {k: v for k, v in output["darts"].items() if k != "weights"}
         return output
 
 
@@ -348,6 +451,23 @@ class _DartsModelMixin:
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
         setattr(self, SURGERY, surgery_for(config))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' load, refused when a local folder's weights are not the exported ones.
+
+        (A Hub repository holds copies that no merge can change under it: nothing to check.)
+        """
+        folder = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        unchecked = os.path.isdir(folder)
+        config = kwargs.get("config")
+        if unchecked and isinstance(config, PretrainedConfig):  # before the load: none wasted
+            check_weights(folder, darts_section(config))
+            unchecked = False
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)  # type: ignore[misc]
+        if unchecked:
+            check_weights(folder, darts_section(model.config))
+        return model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.update(zip(self._darts_forward_names, args, strict=False))

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
+import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -55,21 +58,98 @@ def merge_with_surgery(
     """``run_merge`` plus, when ``config_source`` has a ``surgery:`` block, the surgery.
 
     The block, its files and its targets are checked against the merge's base model before
-    ``run_merge`` starts. ``overwrite=None`` reads ``DARTS_OVERWRITE_SURGERY``.
+    ``run_merge`` starts. ``overwrite=None`` reads ``DARTS_OVERWRITE_SURGERY``. An existing
+    ``surgery/`` (allowed by the overwrite flag, or the merge has no block) is set aside before
+    the merge (:func:`set_aside`) and put back if the merge reproduced its weights.
     """
     # imported here, not at the top: install() runs on every `mergekit-yaml --help`
     from mergekit_darts.config import surgery_block
+    from mergekit_darts.errors import DartsError
     from mergekit_darts.integrations.upstream import neox_buffers_optional
 
     env_flag(NO_HOOK)  # the startup hook only warned about a value that is not a boolean
     neox_buffers_optional()
     block = surgery_block(config_source)
-    if block is None:
-        return run_merge(merge_config, out_path, options=options, config_source=config_source)
-    prepared = prepare_merge_surgery(block, merge_config, out_path, options, overwrite=overwrite)
+    prepared = None
+    if block is not None:
+        prepared = prepare_merge_surgery(
+            block, merge_config, out_path, options, overwrite=overwrite
+        )
+    aside = set_aside(out_path)
     result = run_merge(merge_config, out_path, options=options, config_source=config_source)
-    finish_merge_surgery(prepared, out_path, options)
+    if aside is not None and put_back(aside, out_path):
+        aside = None
+    if prepared is not None:
+        try:
+            finish_merge_surgery(prepared, out_path, options)
+        except DartsError as err:
+            raise type(err)(_after_merge(str(err), out_path, aside)) from err
+        if aside is not None:  # replaced, as the overwrite flag asked
+            shutil.rmtree(aside)
     return result
+
+
+def set_aside(out_path: str | Path) -> Path | None:
+    """Move ``out_path/surgery/`` out of the way of a merge that rewrites the weights under it.
+
+    The folder is renamed, never deleted (``surgery.set-aside-<UTC time>``, next to it), and the
+    rename is reported: a surgery belongs to the weights it was calibrated on.
+    """
+    from mergekit_darts.manifest import surgery_dir
+
+    folder = surgery_dir(out_path)
+    if not (folder.exists() or folder.is_symlink()):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = folder.with_name(f"{folder.name}.set-aside-{stamp}")
+    number = 1
+    while aside.exists() or aside.is_symlink():
+        number += 1
+        aside = folder.with_name(f"{folder.name}.set-aside-{stamp}-{number}")
+    folder.rename(aside)
+    _report(
+        f"{folder} was calibrated on the weights this merge replaces: moved to {aside} "
+        "(nothing deleted)"
+    )
+    return aside
+
+
+def put_back(aside: Path, out_path: str | Path) -> bool:
+    """Return a set-aside ``surgery/`` to its place when the new merge has its weights."""
+    from mergekit_darts.artifacts import read_manifest
+    from mergekit_darts.errors import DartsError
+    from mergekit_darts.identity import weights_identity
+    from mergekit_darts.manifest import surgery_dir
+
+    try:
+        recorded = read_manifest(aside).merged_identity
+    except DartsError:  # no readable manifest: nothing says it belongs to these weights
+        return False
+    if recorded is None or recorded != weights_identity(out_path):
+        return False
+    aside.rename(surgery_dir(out_path))
+    _report(f"{aside}: the new merge has the weights it was calibrated on; moved back to surgery/")
+    return True
+
+
+def _after_merge(message: str, out_path: str | Path, aside: Path | None) -> str:
+    """A surgery failure's message, told after the merge: the merge was written."""
+    from mergekit_darts.calibrate.runtime import UNCHANGED
+    from mergekit_darts.manifest import surgery_dir
+
+    message = message.removesuffix(f"; {UNCHANGED}")
+    where = surgery_dir(out_path)
+    if aside is not None:
+        state = f"the previous surgery/ is at {aside} (calibrated on the weights it replaced)"
+    elif where.exists():
+        state = f"{where} was calibrated on these same weights and is unchanged"
+    else:
+        state = "it has no surgery/"
+    return f"{message}; the merge was written to {out_path} (weights and recipe) and {state}"
+
+
+def _report(line: str) -> None:
+    print(f"mergekit-darts: {line}", file=sys.stderr)
 
 
 def prepare_merge_surgery(

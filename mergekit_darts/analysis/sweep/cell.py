@@ -24,6 +24,7 @@ from mergekit_darts.calibrate.runtime import release
 from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.config import resolve_device
 from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import SURGERY_DIR
 
 RESULT = "result.json"
@@ -60,6 +61,42 @@ def fingerprint(*parts: Any) -> str:
     """sha256 of the JSON of what determines a cell's result: a changed spec reruns the cell."""
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def inputs_identity(
+    merged: Path, block: Mapping[str, Any] | None, known: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What a cell's numbers depend on besides its settings, by content: the merged weights and
+    each task's target weights and calibration file.
+
+    A path names a folder, not what is in it: a merge redone into ``merged:`` (or a target
+    fine-tuned again, or a calibration file edited) must rerun the cells, never skip them with
+    the old numbers. ``known`` (path -> identity) spares re-reading what another cell read.
+    """
+    known = {} if known is None else known
+
+    def of(path: str | Path, read: Any) -> Any:
+        key = str(path)
+        if key not in known:
+            known[key] = read(Path(path).expanduser())
+        return known[key]
+
+    identity: dict[str, Any] = {"merged": of(merged, weights_identity)}
+    for task in (block or {}).get("tasks") or []:
+        calibration = (task.get("calibration") or {}).get("path")
+        identity[task["name"]] = {
+            "target": of(task["target"], _target_identity),
+            "calibration": of(calibration, _file_sha256) if calibration else None,
+        }
+    return identity
+
+
+def _target_identity(path: Path) -> str | None:
+    return weights_identity(path) if path.is_dir() else f"hub:{path}"
+
+
+def _file_sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def is_baseline(settings: Mapping[str, Any]) -> bool:

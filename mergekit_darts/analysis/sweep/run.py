@@ -1,9 +1,10 @@
 """Running a sweep: plan every cell up front, then each merge's cells, resumable after a kill.
 
 Every cell is validated before anything runs. A cell whose ``result.json`` carries the same
-fingerprint (merged model, cell block, eval settings, merge YAML) is skipped, so a killed sweep
-loses only its unscored cells and a changed spec reruns exactly the cells it changes. The cells
-share one capture store, so each model is loaded once for capture in the whole sweep.
+fingerprint (merged model's path and weights, cell block, its targets' weights and calibration
+files, eval settings, merge YAML) is skipped, so a killed sweep loses only its unscored cells
+and a changed spec, merge, target or calibration file reruns exactly the cells it changes. The
+cells share one capture store, so each model is loaded once for capture in the whole sweep.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from mergekit_darts.analysis.sweep.cell import (
     cells,
     evaluate_cell,
     fingerprint,
+    inputs_identity,
     load_cell,
 )
 from mergekit_darts.analysis.sweep.merges import Merge, locate_merges, make_merge
@@ -144,10 +146,12 @@ def run_merge_cells(
     eval_key = spec.eval.model_dump()
     records: list[dict[str, Any] | None] = []
     todo: list[tuple[int, Cell]] = []
+    known: dict[str, Any] = {}  # identities read for this merge's cells
     for grid_settings, block in planned:
         settings = {MERGE: merge.name, **grid_settings} if merge.name else grid_settings
         cell = Cell(settings, block, output / CELLS / cell_id(settings), "")
-        cell.key = fingerprint(str(merged), block, eval_key, *merge.fingerprint)
+        inputs = inputs_identity(merged, block, known)
+        cell.key = fingerprint(str(merged), block, eval_key, inputs, *merge.fingerprint)
         done = load_cell(cell.folder)
         if done is not None and done.get("fingerprint") == cell.key:
             progress.write(f"{cell_id(settings)}: finished earlier, skipped")

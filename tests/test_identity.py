@@ -1,0 +1,219 @@
+"""A surgery belongs to the weights it was calibrated on (issue 20, item 3).
+
+The manifest records the merged folder's content identity; ``load_surgery``, ``apply_surgery``,
+``hf-darts`` and ``export`` refuse a folder whose weights were merged again with other weights,
+and an exported folder refuses weight files that changed under its links. Copies of a merged
+folder, and hardlinks to it, keep their surgery. Merges here are real mergekit runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mergekit.merge
+import pytest
+import tiny
+import torch
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
+from transformers import AutoModelForCausalLM
+
+from mergekit_darts import apply_surgery, load_surgery, run_surgery
+from mergekit_darts.artifacts import read_manifest, write_surgery_folder
+from mergekit_darts.calibrate.store import model_identity
+from mergekit_darts.deploy.export import export
+from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.identity import weights_identity
+
+HIDDEN, RANK, MAX_POSITIONS = 64, 4, 12
+REDO = "was calibrated on other weights than those in"
+
+
+def merge(tiny_family: Any, out: Path, math_weight: float = 0.5) -> Path:
+    """A task-arithmetic merge of the tiny family by the real (unwrapped) mergekit."""
+    config = MergeConfiguration.model_validate(
+        {
+            "merge_method": "task_arithmetic",
+            "base_model": str(tiny_family.base),
+            "models": [
+                {"model": str(tiny_family.math), "parameters": {"weight": math_weight}},
+                {"model": str(tiny_family.code), "parameters": {"weight": 0.5}},
+            ],
+            "dtype": "float32",
+        }
+    )
+    inspect.unwrap(mergekit.merge.run_merge)(config, str(out), MergeOptions(quiet=True))
+    return out
+
+
+def write_surgery(merged: Path, identity: str | None) -> Path:
+    """A one-task surgery/ (random module) recording ``identity`` as the weights it belongs to."""
+    module = tiny.random_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed=1)
+    entry = {"module": "pos_corr", "rank": RANK, "max_positions": MAX_POSITIONS, "eval_tasks": []}
+    manifest = {"hidden_size": HIDDEN, "tasks": {"math": entry}}
+    if identity is not None:
+        manifest["merged_identity"] = identity
+    return write_surgery_folder(merged / "surgery", {"math": module}, manifest)
+
+
+@pytest.fixture
+def merged(tiny_family: Any, tmp_path: Path) -> Path:
+    """A merge with a surgery/ that records the identity of its weights."""
+    out = merge(tiny_family, tmp_path / "merged")
+    write_surgery(out, weights_identity(out))
+    return out
+
+
+def test_calibration_records_the_identity_of_the_weights(tiny_family, calibration_data, tmp_path):
+    out = merge(tiny_family, tmp_path / "merged")
+    block = {
+        "steps": 2,
+        "batch_size": 4,
+        "tasks": [
+            {
+                "name": "math",
+                "target": str(tiny_family.math),
+                "calibration": {
+                    "path": str(calibration_data / "math.jsonl"),
+                    "field": "question",
+                    "num_samples": 4,
+                    "max_length": 16,
+                },
+            }
+        ],
+    }
+    written = run_surgery(out, block, progress=False)
+    assert written["merged_identity"] == weights_identity(out) is not None
+    merge(tiny_family, out, math_weight=0.3)  # other weights into the same folder
+    with pytest.raises(SurgeryFormatError, match=REDO):
+        load_surgery(out / "surgery")
+
+
+def test_every_loader_refuses_a_surgery_of_other_weights(tiny_family, merged, tmp_path):
+    from lm_eval_darts.model import DartsHFLM
+
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    merge(tiny_family, merged, math_weight=0.3)  # a stock re-merge: surgery/ stays behind
+    loaders = {
+        "load_surgery": lambda: load_surgery(merged / "surgery"),
+        "apply_surgery": lambda: apply_surgery(model, merged / "surgery"),
+        "hf-darts": lambda: DartsHFLM(pretrained=str(merged), device="cpu"),
+        "export": lambda: export(merged, tmp_path / "dest", "math"),
+    }
+    for name, load in loaders.items():
+        with pytest.raises(SurgeryFormatError) as info:
+            load()
+        message = str(info.value)
+        assert REDO in message and "re-run `mergekit-darts calibrate" in message, name
+        assert "\n" not in message, name
+    assert not (tmp_path / "dest").exists()
+
+
+def test_identical_remerge_copies_and_hardlinks_keep_their_surgery(tiny_family, merged, tmp_path):
+    merge(tiny_family, merged)  # the same merge again: the same weights
+    load_surgery(merged / "surgery")
+    copy = Path(shutil.copytree(merged, tmp_path / "copy"))  # new inodes and mtimes
+    load_surgery(copy / "surgery")
+    assert model_identity(str(copy)) != model_identity(str(merged))  # the store's key differs
+    export(merged, tmp_path / "linked", "math", link="hardlink")  # changes the shards' ctime
+    load_surgery(merged / "surgery")
+
+
+def test_what_has_nothing_to_compare_is_accepted(tiny_family, merged, tmp_path):
+    """A manifest from before the identity was recorded; a surgery/ kept outside a model folder."""
+    old = merge(tiny_family, tmp_path / "old")
+    write_surgery(old, None)
+    merge(tiny_family, old, math_weight=0.3)
+    load_surgery(old / "surgery")
+    outside = Path(shutil.copytree(merged / "surgery", tmp_path / "kept" / "surgery"))
+    merge(tiny_family, merged, math_weight=0.3)
+    load_surgery(outside)
+    with pytest.raises(SurgeryFormatError, match=REDO):  # unless told which weights it corrects
+        load_surgery(outside, weights=merged)
+
+
+def test_apply_surgery_checks_the_model_it_corrects(tiny_family, merged, tmp_path):
+    """The weights compared are the model's own folder, wherever the surgery folder lies."""
+    other = merge(tiny_family, tmp_path / "other", math_weight=0.3)
+    model = AutoModelForCausalLM.from_pretrained(other)
+    with pytest.raises(SurgeryFormatError, match=f"{REDO} {other}"):
+        apply_surgery(model, merged / "surgery")
+    same = AutoModelForCausalLM.from_pretrained(shutil.copytree(merged, tmp_path / "same"))
+    apply_surgery(same, merged / "surgery").remove()
+
+
+def test_manifest_identity_round_trips(merged):
+    manifest = read_manifest(merged / "surgery")
+    assert manifest.merged_identity == weights_identity(merged)
+    data = json.loads((merged / "surgery" / "manifest.json").read_text())
+    assert data["merged_identity"] == manifest.to_dict()["merged_identity"]
+
+
+def test_a_symlinked_export_refuses_weights_merged_again_under_it(tiny_family, merged, tmp_path):
+    dest = export(merged, tmp_path / "dest", "math", link="symlink")[0]
+    loaded = AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
+    assert loaded.darts_surgery.down.weight.abs().sum() > 0
+    merge(tiny_family, merged, math_weight=0.3)  # the link now reaches the new weights
+    with pytest.raises(ValueError, match="is not the weight file this DARTS export was made with"):
+        AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("link", ["hardlink", "copy"])
+def test_hardlinked_and_copied_exports_keep_their_weights(tiny_family, merged, tmp_path, link):
+    """mergekit writes new files, so a hardlink keeps the exported weights as a copy does."""
+    dest = export(merged, tmp_path / "dest", "math", link=link)[0]
+    before = AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
+    merge(tiny_family, merged, math_weight=0.3)
+    after = AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(before(ids).logits, after(ids).logits)
+
+
+def test_fingerprints_see_every_tensor_and_not_the_recipe(merged, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    key = weights_identity(merged)
+    (merged / "mergekit_config.yml").write_text("# rewritten by calibrate\n")
+    (merged / "README.md").write_text("card\n")
+    assert weights_identity(merged) == key
+    store_key = model_identity(str(merged))
+    (merged / "mergekit_config.yml").write_text("# again\n")
+    assert model_identity(str(merged)) == store_key, "the store's key leaves the recipe out"
+    tensors = load_file(merged / "model.safetensors")
+    smallest = min(tensors, key=lambda name: tensors[name].numel())  # a norm: 64 numbers
+    tensors[smallest] = tensors[smallest] + 1
+    save_file(tensors, merged / "model.safetensors", metadata={"format": "pt"})
+    assert weights_identity(merged) != key
+    assert weights_identity(tmp_path) is None  # no model here: nothing to compare
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"../model.safetensors": "0" * 64},
+        {"sub/model.safetensors": "0" * 64},
+        {"model.safetensors": "not a digest"},
+        ["model.safetensors"],
+    ],
+)
+def test_a_bad_weights_record_gets_a_one_line_error(merged, tmp_path, weights):
+    from mergekit_darts.deploy.modeling_darts import darts_section
+
+    dest = export(merged, tmp_path / "dest", "math", link="copy")[0]
+    config = json.loads((dest / "config.json").read_text())
+    config["darts"]["weights"] = weights
+    with pytest.raises(ValueError, match="darts.weights must map plain weight file names") as info:
+        darts_section(config)
+    assert "\n" not in str(info.value)
+
+
+def test_an_export_missing_a_listed_weight_file_is_refused(merged, tmp_path):
+    dest = export(merged, tmp_path / "dest", "math", link="symlink")[0]
+    (dest / "model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(Exception, match="model-00001-of-00001.safetensors"):
+        AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
