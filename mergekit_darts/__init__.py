@@ -22,9 +22,7 @@ The public names load lazily (PEP 562): the startup hook imports
 pull in torch-heavy modules it does not need.
 """
 
-# not typing.TYPE_CHECKING: the startup hook imports this package (mergekit_darts.envflags) when
-# DARTS_NO_HOOK is set, and importing typing costs ~10 ms there
-TYPE_CHECKING = False
+from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "SurgeryHandle": "apply",
@@ -54,7 +52,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'mergekit_darts' has no attribute {name!r}")
-    from importlib import import_module  # here: the startup hook may import this package
+    from importlib import import_module
 
     value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
     globals()[name] = value

@@ -2,26 +2,21 @@
 
 ``DARTS_OVERWRITE_SURGERY=false`` must never replace a folder and ``DARTS_NO_HOOK=0`` must never
 switch the hook off, so every flag goes through :func:`env_flag`: 1/true/yes/on and
-0/false/no/off (any case), empty or unset means the default, anything else is refused. The
-``.pth`` startup hook imports this module on every Python start that sets ``DARTS_NO_HOOK``, so it
-imports nothing but ``os`` and the (import-free) error root.
+0/false/no/off (any case), empty or unset means the default, anything else is refused. The parser
+itself is the startup hook's (``_darts_startup.flag``, installed beside the package), which reads
+``DARTS_NO_HOOK`` on every Python start without importing this package.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
+
+from _darts_startup import flag  # the one parser, shared with the startup hook
 
 from mergekit_darts.errors import DartsError
 
-TYPE_CHECKING = False  # not typing's: importing typing costs ~10 ms on every start
-if TYPE_CHECKING:
-    from collections.abc import Mapping
-
 NO_HOOK = "DARTS_NO_HOOK"  # switches the .pth startup hook off
 OVERWRITE_SURGERY = "DARTS_OVERWRITE_SURGERY"  # lets the stock mergekit-yaml replace surgery/
-
-TRUE = ("1", "true", "yes", "on")
-FALSE = ("0", "false", "no", "off")
 
 
 class EnvFlagError(DartsError, ValueError):
@@ -30,15 +25,7 @@ class EnvFlagError(DartsError, ValueError):
 
 def env_flag(name: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
     """The boolean value of environment variable ``name``; raises :class:`EnvFlagError` if unclear."""
-    raw = (os.environ if environ is None else environ).get(name, "")
-    value = raw.strip().lower()
-    if not value:
-        return default
-    if value in TRUE:
-        return True
-    if value in FALSE:
-        return False
-    raise EnvFlagError(
-        f"{name}={raw!r} is not a boolean; set it to one of {'/'.join(TRUE)} or "
-        f"{'/'.join(FALSE)}, or unset it"
-    )
+    try:
+        return flag(name, default, environ)
+    except ValueError as err:
+        raise EnvFlagError(str(err)) from None

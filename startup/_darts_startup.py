@@ -53,22 +53,43 @@ class _DartsFinder:
         return spec
 
 
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+
+
+def flag(name, default=False, environ=None):
+    """The boolean value of environment variable ``name``: 1/true/yes/on, 0/false/no/off (any
+    case), empty or unset = ``default``; anything else raises a one-line ``ValueError``.
+
+    The one parser of every DARTS_* flag (``mergekit_darts.envflags`` wraps it). It lives here,
+    with no import, because the startup must read ``DARTS_NO_HOOK`` without importing
+    ``mergekit_darts`` (a process that switched the hook off should not find the package loaded).
+    """
+    raw = (os.environ if environ is None else environ).get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is not a boolean; set it to one of {'/'.join(TRUE)} or "
+        f"{'/'.join(FALSE)}, or unset it"
+    )
+
+
 def main() -> None:
     """What the ``.pth`` line runs: :func:`install` unless ``DARTS_NO_HOOK`` says not to.
 
-    The variable is read by the package's one boolean parser, imported only when it is set (the
-    usual start, with it unset, imports nothing). A value that is not a boolean cannot stop a
-    Python start: it is reported in one line and the hook stays on, so the hooked ``mergekit-yaml``
-    then refuses it before merging.
+    A value that is not a boolean cannot stop a Python start: it is reported in one line and the
+    hook stays on, so the hooked ``mergekit-yaml`` then refuses it before merging.
     """
-    if os.environ.get("DARTS_NO_HOOK", "").strip():
-        from mergekit_darts.envflags import NO_HOOK, EnvFlagError, env_flag
-
-        try:
-            if env_flag(NO_HOOK):
-                return
-        except EnvFlagError as err:
-            print(f"mergekit-darts: {err} (the startup hook stays on)", file=sys.stderr)
+    try:
+        if flag("DARTS_NO_HOOK"):
+            return
+    except ValueError as err:
+        print(f"mergekit-darts: {err} (the startup hook stays on)", file=sys.stderr)
     install()
 
 
