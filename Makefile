@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.p
 install: $(STAMP)
 
 ## The main job: build the tiny demo family, merge + surgery with mergekit-yaml, evaluate with lm_eval.
+## It pins torch's kernels and threads itself (docs/demo.md); `make demo DEMO_ARGS=--full` adds the ablations.
+DEMO_ARGS ?=
 demo: install
-	$(BIN)/python -m mergekit_darts.demo
+	$(BIN)/python -m mergekit_darts.demo $(DEMO_ARGS)
 
 ## The test suite (pytest's "no tests collected", exit 5, counts as success).
 test: install

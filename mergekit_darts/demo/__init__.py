@@ -1,5 +1,19 @@
-"""Seeded tiny decoder family (base + code/math/instruct experts) for the CPU-scale demo."""
+"""Seeded tiny decoder family (base + code/math/instruct experts) for the CPU-scale demo.
 
-from mergekit_darts.demo.family import FamilyPaths, build_family
+Imports nothing heavy: `python -m mergekit_darts.demo` must set its reproducibility pins
+(mergekit_darts.demo.pinning) before the first `import torch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["FamilyPaths", "build_family"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from mergekit_darts.demo import family
+
+        return getattr(family, name)
+    raise AttributeError(name)

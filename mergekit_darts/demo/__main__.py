@@ -1,13 +1,19 @@
-"""`python -m mergekit_darts.demo`: the README's first command (`make demo`)."""
+"""`python -m mergekit_darts.demo`: the README's first command (`make demo`).
+
+It first re-executes itself with the reproducibility pins (mergekit_darts.demo.pinning) when the
+environment lacks them: they only act if set before torch starts, so nothing here imports torch
+before that.
+"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
-from mergekit_darts.demo.configs import METHODS
-from mergekit_darts.demo.run import DemoSettings, run_demo
+from mergekit_darts.demo.configs import METHODS  # no torch: configs builds YAML only
+from mergekit_darts.demo.pinning import reexec_if_unpinned
 
 
 @click.command()
@@ -27,6 +33,9 @@ from mergekit_darts.demo.run import DemoSettings, run_demo
 @click.option("--limit", type=int, default=None, help="Evaluation items per task (default: all).")
 @click.option("--batch-size", type=int, default=32, show_default=True)
 @click.option("--fresh", is_flag=True, help="Redo merges and evaluations even when cached.")
+@click.option(
+    "--full", is_flag=True, help="Also the ablation rows and the held-out-metric study (slower)."
+)
 def main(
     out: Path,
     scale: str,
@@ -36,12 +45,17 @@ def main(
     limit: int | None,
     batch_size: int,
     fresh: bool,
+    full: bool,
 ) -> None:
     """Build the tiny family, merge with surgery, evaluate, and print a CPU-scale Table 1."""
-    run_demo(
-        DemoSettings(out, scale, seed, methods or tuple(METHODS), steps, limit, batch_size, fresh)
+    from mergekit_darts.demo.run import DemoSettings, run_demo
+
+    settings = DemoSettings(
+        out, scale, seed, methods or tuple(METHODS), steps, limit, batch_size, fresh, full
     )
+    run_demo(settings)
 
 
 if __name__ == "__main__":
+    reexec_if_unpinned("mergekit_darts.demo", sys.argv[1:])
     main()

@@ -1,9 +1,10 @@
 """The demo's merge YAMLs: four mergekit methods, each with one `surgery:` block.
 
 One block holds every surgery variant the table compares, as separate tasks with overrides
-(`code` = DARTS, `code_std` = Standard + L1, `code_pos_l1` = pos_corr + L1, `_cont` = calibrated on
-the target's own completions, `_select` = the best of the three by held-out agreement), so a
-single stock `mergekit-yaml` run per method produces all of them.
+(`code` = DARTS, `code_std` = Standard + L1, `_select` = the best of Standard + L1, pos_corr + L1
+and DARTS by held-out agreement; with `--full` also `code_pos_l1` = pos_corr + L1 and `_cont` =
+calibrated on the target's own completions), so a single stock `mergekit-yaml` run per method
+produces all of them.
 Paths are written relative to the working directory, the way mergekit resolves `model:`.
 """
 
@@ -48,16 +49,30 @@ POS_CORR_L1 = {"module": "pos_corr", "loss": "l1"}
 DARTS = {"module": "pos_corr", "loss": "ewl1"}
 # the fixed variants above each `select` row, as its candidates: they train on the same captures
 SELECT = {"candidates": [STANDARD_L1, POS_CORR_L1, DARTS], "holdout": 0.2, "metric": "agreement"}
-VARIANTS: tuple[Variant, ...] = (
+# the headline rows (paper Table 1 plus `select`); `select` has no `none` candidate yet
+HEADLINE: tuple[Variant, ...] = (
     Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1),
-    Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", POS_CORR_L1),
     Variant("DARTS (pos_corr + EWL1)", "", {}),
-    Variant("select (best of the 3 above by held-out agreement)", "_select", {"select": SELECT}),
+    Variant(
+        "select (Standard + L1, pos_corr + L1, DARTS; held-out agreement)",
+        "_select",
+        {"select": SELECT},
+    ),
+)
+# `--full`: the ablations (paper Table 10) and generation-aware calibration
+ABLATIONS: tuple[Variant, ...] = (
+    Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", POS_CORR_L1),
     Variant("Standard + L1, +completions", "_std_cont", STANDARD_L1, CONTINUATION_TOKENS),
     Variant("pos_corr + L1, +completions", "_pos_l1_cont", POS_CORR_L1, CONTINUATION_TOKENS),
     Variant("DARTS, +completions", "_cont", {}, CONTINUATION_TOKENS),
     Variant("select, +completions", "_select_cont", {"select": SELECT}, CONTINUATION_TOKENS),
 )
+VARIANTS: tuple[Variant, ...] = HEADLINE + ABLATIONS
+
+
+def variants(full: bool) -> tuple[Variant, ...]:
+    """The surgery rows of one merge: the headline, plus the ablations with `full`."""
+    return VARIANTS if full else HEADLINE
 
 
 def fixed_variant(candidate: dict[str, Any], continuation_tokens: int) -> Variant:
@@ -90,6 +105,7 @@ def merge_config(
     calib_files: dict[str, Path],
     steps: int = 500,
     cache_dir: Path | None = None,
+    rows: tuple[Variant, ...] = HEADLINE,
 ) -> dict[str, Any]:
     """The full merge YAML (as a dict) of one method, surgery block included.
 
@@ -107,13 +123,15 @@ def merge_config(
     config["surgery"] = {"steps": steps}
     if cache_dir is not None:
         config["surgery"]["cache_dir"] = _rel(cache_dir)
-    config["surgery"]["tasks"] = _surgery_tasks(experts, calib_files)
+    config["surgery"]["tasks"] = _surgery_tasks(experts, calib_files, rows)
     return config
 
 
-def _surgery_tasks(experts: dict[str, Path], calib_files: dict[str, Path]) -> list[dict[str, Any]]:
+def _surgery_tasks(
+    experts: dict[str, Path], calib_files: dict[str, Path], rows: tuple[Variant, ...]
+) -> list[dict[str, Any]]:
     tasks = []
-    for variant in VARIANTS:
+    for variant in rows:
         for domain in DOMAIN_NAMES:
             calibration: dict[str, Any] = {"path": _rel(calib_files[domain]), "field": "prompt"}
             if variant.continuation_tokens:

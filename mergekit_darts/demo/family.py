@@ -1,11 +1,12 @@
 """Build the seeded tiny Llama family (base + one expert per domain) for the CPU-scale demo.
 
-The recipe follows the project notes: a base trained mostly on generic text with a little
-task-format data (none: the merge fails everywhere, beyond repair; too much: the base already
-solves the tasks and merging costs nothing), then experts fine-tuned on answer tokens only,
-strongly enough that task arithmetic makes them interfere at the output level. Our generic
-text has copy spans that make the tasks easier, so 2% task data with a batch of 32 plays the
-role the notes' 5% at batch 64 did (5% here gave a base scoring 97% on code).
+The recipe aims at the paper's regime (docs/demo.md, "Which family the table is from"): a base
+trained mostly on generic text with some task-format data (none: the merge fails everywhere,
+beyond repair; too much: the base already solves the tasks and merging costs nothing), then
+experts fine-tuned on answer tokens only. The current recipe (v2: hidden 256, 15 % task data
+split code:math:instruct 1:3:1) does not reach it: its base already solves code. Training runs
+on one thread under the pins of mergekit_darts.demo.pinning, so the weights are the same on
+every x86-64 CPU with AVX2.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from mergekit_darts.demo.domains import (
 )
 from mergekit_darts.demo.tokenizer import build_tokenizer
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 STAMP = "family.json"
 # One intra-op thread: a fixed reduction order keeps the weights identical from run to run,
 # and OpenMP threads on a busy CPU slow a model this small down by up to 10x.
@@ -62,17 +63,19 @@ class Recipe:
     base_lr: float
     expert_lr: float
     task_fraction: float
+    task_mix: tuple[float, float, float] = (1.0, 1.0, 1.0)  # code : math : instruct in the base
     warmup_fraction: float = 0.03
     hidden_size: int = 128
     layers: int = 2
     heads: int = 4
     ffn: int = 256
     max_positions: int = 512
+    n_eval: int = 300  # evaluation items per domain
 
 
 SCALES: dict[str, Recipe] = {
-    "full": Recipe(1500, 800, 32, 64, 3e-3, 1e-3, 0.02),
-    "tiny": Recipe(12, 6, 8, 8, 3e-3, 1e-3, 0.02),
+    "full": Recipe(1000, 300, 32, 32, 1e-3, 5e-4, 0.15, (1.0, 3.0, 1.0), hidden_size=256, ffn=512),
+    "tiny": Recipe(12, 6, 8, 8, 3e-3, 1e-3, 0.02, n_eval=20),
 }
 
 
@@ -96,12 +99,19 @@ class FamilyPaths:
 
 
 def build_family(
-    root: Path, seed: int = 0, scale: str = "full", progress: bool = True
+    root: Path,
+    seed: int = 0,
+    scale: str = "full",
+    progress: bool = True,
+    recipe: Recipe | None = None,
 ) -> FamilyPaths:
-    """Train (or reuse, when `root` holds a complete build of the same recipe) the family."""
+    """Train (or reuse, when `root` holds a complete build of the same recipe) the family.
+
+    `recipe` overrides the scale's recipe (the recipe search in docs/demo.md uses it).
+    """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {sorted(SCALES)}, not {scale!r}")
-    recipe = SCALES[scale]
+    recipe = recipe or SCALES[scale]
     paths = _family_paths(Path(root).resolve())
     recipe_hash = _recipe_hash(recipe, seed)
     if _is_complete(paths, recipe_hash):
@@ -109,7 +119,7 @@ def build_family(
         return paths
     (paths.root / STAMP).unlink(missing_ok=True)
     start = time.perf_counter()
-    splits = {d: make_splits(d, seed) for d in DOMAIN_NAMES}
+    splits = {d: make_splits(d, seed, n_eval=recipe.n_eval) for d in DOMAIN_NAMES}
     _write_data(paths, splits)
     _write_tasks(paths)
     with _build_environment(progress):
@@ -262,18 +272,21 @@ def _base_batches(
     """Mostly generic documents plus a few task-format items, loss on every token."""
     while True:
         seqs = [
-            _full_loss(tokenizer, _base_text(rng, recipe.task_fraction, held_out))
+            _full_loss(tokenizer, _base_text(rng, recipe.task_fraction, recipe.task_mix, held_out))
             for _ in range(recipe.base_batch)
         ]
         yield _collate(seqs, tokenizer.pad_token_id)
 
 
 def _base_text(
-    rng: random.Random, task_fraction: float, held_out: dict[str, frozenset[str]]
+    rng: random.Random,
+    task_fraction: float,
+    task_mix: tuple[float, float, float],
+    held_out: dict[str, frozenset[str]],
 ) -> str:
     if rng.random() >= task_fraction:
         return generic_text(rng)
-    domain = rng.choice(DOMAIN_NAMES)
+    domain = rng.choices(DOMAIN_NAMES, weights=task_mix)[0]
     ex = training_example(domain, rng, held_out[domain])
     return f"{ex.prompt} {ex.answer}"
 

@@ -6,8 +6,6 @@ evaluations by the hash of their YAML / arguments), so a second run only re-rend
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import os
 import shutil
@@ -15,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,58 +20,38 @@ from rich.console import Console
 
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.demo.configs import (
-    METHODS,
-    VARIANTS,
     lm_eval_task,
     merge_config,
     surgery_task,
+    variants,
     write_config,
 )
 from mergekit_darts.demo.domains import DOMAIN_NAMES
-from mergekit_darts.demo.evidence import Point, collect, selection_outcomes
+from mergekit_darts.demo.evaluation import DemoSettings, digest, evaluate
+from mergekit_darts.demo.evidence import NONE_LABEL, Point, collect, selection_outcomes
 from mergekit_darts.demo.evidence import markdown as evidence_markdown
 from mergekit_darts.demo.family import FamilyPaths, build_family
+from mergekit_darts.demo.pinning import apply_in_process, pinned_env
+from mergekit_darts.demo.report import (
+    BOOTSTRAP_SAMPLES,
+    BOOTSTRAP_SEED,
+    INDIVIDUAL,
+    Row,
+    add_deltas,
+    markdown_table,
+    regime,
+    summary,
+)
 from mergekit_darts.manifest import surgery_dir
 
 console = Console()
-
-
-@dataclass(frozen=True)
-class DemoSettings:
-    out: Path = Path("runs/demo")
-    scale: str = "full"
-    seed: int = 0
-    methods: tuple[str, ...] = tuple(METHODS)
-    steps: int = 500
-    limit: int | None = None  # evaluation items per task (None: all)
-    batch_size: int = 32
-    fresh: bool = False  # recompute merges and evaluations even when cached
-
-
-@dataclass
-class Row:
-    """One line of the table: exact-match % per domain, plus rho_L1 when surgery was applied."""
-
-    group: str
-    label: str
-    scores: dict[str, float]
-    rho: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def average(self) -> float:
-        return sum(self.scores.values()) / len(self.scores)
-
-
-def _digest(payload: Any) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[
-        :16
-    ]
+__all__ = ["DemoSettings", "run_demo"]
 
 
 def merge_with_surgery(config_path: Path, out_dir: Path, seed: int, fresh: bool) -> Path:
     """Run the stock `mergekit-yaml` console script (our startup hook adds the surgery)."""
     stamp = out_dir.with_name(out_dir.name + ".done")
-    key = _digest([config_path.read_text(), seed])
+    key = digest([config_path.read_text(), seed])
     if not fresh and stamp.is_file() and stamp.read_text() == key and out_dir.is_dir():
         return out_dir
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -87,68 +64,23 @@ def merge_with_surgery(config_path: Path, out_dir: Path, seed: int, fresh: bool)
         str(seed),
     ]
     console.print(f"[bold]$ {' '.join(command)}[/bold]")
-    # tiny models: one thread is several times faster than two (same results)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run(command, check=True, env=env)
+    # the same kernel set and thread count as this process, whatever the caller's environment
+    subprocess.run(command, check=True, env=pinned_env(os.environ))
     stamp.write_text(key)
     return out_dir
 
 
-def evaluate(
-    settings: DemoSettings,
-    family: FamilyPaths,
-    model: str,
-    model_args: str,
-    cache_key: Any,
-) -> dict[str, float]:
-    """Exact match (%) per domain through lm-eval (in-process: same code path as `lm_eval`)."""
-    cache = (
-        settings.out / "evals" / f"{_digest([model, model_args, cache_key, settings.limit])}.json"
-    )
-    if not settings.fresh and cache.is_file():
-        return json.loads(cache.read_text())
-    import lm_eval
-
-    tasks = [lm_eval_task(d) for d in DOMAIN_NAMES]
-    console.print(
-        f"[dim]lm_eval --model {model} --model_args {model_args} --tasks {','.join(tasks)} "
-        f"--include_path {family.tasks} --batch_size {settings.batch_size}[/dim]"
-    )
-    results = lm_eval.simple_evaluate(
-        model=model,
-        model_args=model_args,
-        tasks=tasks,
-        task_manager=_task_manager(str(family.tasks)),
-        batch_size=settings.batch_size,
-        device="cpu",
-        limit=settings.limit,
-        verbosity="ERROR",
-    )["results"]
-    scores = {d: 100 * results[lm_eval_task(d)]["exact_match,none"] for d in DOMAIN_NAMES}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(scores))
-    return scores
-
-
-@functools.cache
-def _task_manager(include_path: str):
-    """One task index for all evaluations: building it scans every lm-eval task (seconds)."""
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=include_path, verbosity="ERROR")
-
-
 def individual_rows(settings: DemoSettings, family: FamilyPaths) -> list[Row]:
     """The paper's Table 2: base and each expert on every domain."""
-    models = {"Base": family.base, **{f"Expert: {d}": p for d, p in family.experts.items()}}
-    return [
-        Row(
-            "Individual models",
-            name,
-            evaluate(settings, family, "hf", f"pretrained={path},dtype=float32", _stamp(family)),
-        )
-        for name, path in models.items()
-    ]
+    key = _stamp(family)
+
+    def score(path: Path):
+        return evaluate(settings, family, "hf", f"pretrained={path},dtype=float32", key)
+
+    rows = [Row(INDIVIDUAL, "Base", "base", score(family.base))]
+    for domain, path in family.experts.items():
+        rows.append(Row(INDIVIDUAL, f"Expert: {domain}", "expert", score(path), domain))
+    return rows
 
 
 def _stamp(family: FamilyPaths) -> str:
@@ -158,8 +90,9 @@ def _stamp(family: FamilyPaths) -> str:
 def merged_rows(
     settings: DemoSettings, family: FamilyPaths, method: str
 ) -> tuple[list[Row], list[Point]]:
-    """No surgery, then each surgery variant, on one merge; with the held-out evidence."""
+    """No surgery, then each surgery variant, on one merge; with the held-out evidence (full)."""
     calib = {d: family.calib_file(d) for d in DOMAIN_NAMES}
+    shown = variants(settings.full)
     config = merge_config(
         method,
         family.base,
@@ -167,6 +100,7 @@ def merged_rows(
         calib,
         steps=settings.steps,
         cache_dir=settings.out / "captures",
+        rows=shown,
     )
     config_path = write_config(config, settings.out / "configs" / f"{method}.yml")
     merged = merge_with_surgery(
@@ -175,20 +109,17 @@ def merged_rows(
     key = (merged.with_name(merged.name + ".done")).read_text()
     manifest = read_manifest(surgery_dir(merged))
     base_args = f"pretrained={merged},dtype=float32"
-    rows = [
-        Row(
-            method,
-            "None (merged)",
-            evaluate(settings, family, "hf-darts", base_args + ",surgery=none", key),
-        )
-    ]
-    for variant in VARIANTS:
+    none = evaluate(settings, family, "hf-darts", base_args + ",surgery=none", key)
+    rows = [Row(method, NONE_LABEL, "none", none)]
+    for variant in shown:
         names = {d: surgery_task(d) + variant.suffix for d in DOMAIN_NAMES}
         mapping = ";".join(f"{lm_eval_task(d)}:{names[d]}" for d in DOMAIN_NAMES)
         args = f"{base_args},surgery=auto,surgery_map={mapping}"
-        scores = evaluate(settings, family, "hf-darts", args, key)
+        evaluation = evaluate(settings, family, "hf-darts", args, key)
         rho = {d: manifest.tasks[names[d]].metrics["rho_l1"] for d in DOMAIN_NAMES}
-        rows.append(Row(method, variant.label, scores, rho))
+        rows.append(Row(method, variant.label, "surgery", evaluation, rho=rho))
+    if not settings.full:
+        return rows, []
     return rows, collect(method, manifest, {row.label: row.scores for row in rows})
 
 
@@ -228,31 +159,12 @@ def bias_figures(settings: DemoSettings, method: str) -> list[Path]:
     return paths
 
 
-def markdown_table(rows: Sequence[Row]) -> str:
-    """Table 1 / Table 2 layout: exact match % per domain, average, and mean rho_L1."""
-    head = ["Merge", "Surgery", *DOMAIN_NAMES, "Avg.", "mean ρ_L1"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    group = None
-    for row in rows:
-        shown = row.group if row.group != group else ""
-        group = row.group
-        rho = f"{sum(row.rho.values()) / len(row.rho):.3f}" if row.rho else ""
-        cells = [
-            shown,
-            row.label,
-            *(f"{row.scores[d]:.1f}" for d in DOMAIN_NAMES),
-            f"{row.average:.1f}",
-            rho,
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def run_demo(settings: DemoSettings) -> dict[str, Any]:
     """Build, merge, calibrate, evaluate; print and save the table; return the results."""
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # see merge_with_surgery
+    pins = apply_in_process()
+    console.print(f"[bold]pinned for reproducibility:[/bold] {pins}")
+    if not pins["pinned_before_torch"]:
+        console.print("[yellow]torch started unpinned: numbers may differ from the README[/yellow]")
     start = time.perf_counter()
     settings.out.mkdir(parents=True, exist_ok=True)
     console.rule("1/3 tiny model family")
@@ -265,31 +177,55 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         merged, evidence = merged_rows(settings, family, method)
         rows += merged
         points += evidence
+    add_deltas(rows)
     figures = bias_figures(settings, settings.methods[0])
     table = markdown_table(rows)
+    regime_numbers = regime(rows)
+    results: dict[str, Any] = {
+        "settings": {
+            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(settings).items()},
+            "pins": pins,
+            "versions": _versions(),
+            "bootstrap": {"samples": BOOTSTRAP_SAMPLES, "seed": BOOTSTRAP_SEED, "level": 0.95},
+        },
+        "rows": [row.record() for row in rows],
+        "regime": regime_numbers,
+        "figures": [str(p) for p in figures],
+    }
+    if settings.full:
+        results.update(_held_out_study(settings, rows, points))
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    (settings.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (settings.out / "table.md").write_text(table + "\n")
+    print(table)  # plain print: rich would wrap the table's long lines
+    print(summary(rows, regime_numbers))
+    console.print(
+        f"[green]done in {results['seconds']:.0f} s; table.md, results.json under "
+        f"{settings.out}[/green]"
+    )
+    return results
+
+
+def _held_out_study(
+    settings: DemoSettings, rows: Sequence[Row], points: Sequence[Point]
+) -> dict[str, Any]:
+    """`--full`: which held-out metric predicts the score, and what `select` kept."""
     select_scores = {
         (row.group, "completions" if v.continuation_tokens else "prompts"): row.scores
         for row in rows
-        for v in VARIANTS
+        for v in variants(full=True)
         if v.selects and row.label == v.label
     }
     outcomes = selection_outcomes(points, select_scores)
     evidence_md = evidence_markdown(points, outcomes)
-    seconds = time.perf_counter() - start
-    results = {
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(settings).items()},
-        "rows": [vars(r) for r in rows],
-        "figures": [str(p) for p in figures],
-        "held_out": [vars(p) for p in points],
-        "selection": outcomes,
-        "seconds": round(seconds, 1),
-    }
-    (settings.out / "results.json").write_text(json.dumps(results, indent=2))
-    (settings.out / "table.md").write_text(table + "\n")
     (settings.out / "selection.md").write_text(evidence_md + "\n")
-    console.print(table)
     console.print(evidence_md)
-    console.print(
-        f"[green]done in {seconds:.0f} s; table, results.json under {settings.out}[/green]"
-    )
-    return results
+    return {"held_out": [vars(p) for p in points], "selection": outcomes}
+
+
+def _versions() -> dict[str, str]:
+    """Versions of what decides the numbers."""
+    from importlib.metadata import version
+
+    names = ("torch", "transformers", "lm_eval", "mergekit", "numpy", "tokenizers")
+    return {"python": sys.version.split()[0], **{n: version(n) for n in names}}

@@ -1,0 +1,142 @@
+"""The demo's table and results.json: scores, paired differences against no surgery, regime.
+
+Every surgery row is compared with its merge's no-surgery row on the same items: per-item
+differences, mean over domains, 95 % paired-bootstrap interval with a fixed seed, so a reader
+can tell a correction that helps from noise (DESIGN "Demo results").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mergekit_darts.analysis.stats import paired_bootstrap
+from mergekit_darts.demo.domains import DOMAIN_NAMES
+from mergekit_darts.demo.evaluation import Evaluation
+from mergekit_darts.demo.regime import gains_kept
+
+INDIVIDUAL = "Individual models"
+BOOTSTRAP_SEED = 0
+BOOTSTRAP_SAMPLES = 10_000
+
+
+@dataclass
+class Row:
+    """One line of the table; `kind` is base | expert | none | surgery."""
+
+    group: str
+    label: str
+    kind: str
+    evaluation: Evaluation
+    domain: str | None = None  # the expert's own domain
+    rho: dict[str, float] = field(default_factory=dict)
+    delta_vs_none: dict[str, Any] | None = None
+
+    @property
+    def scores(self) -> dict[str, float]:
+        return self.evaluation.scores
+
+    @property
+    def average(self) -> float:
+        return sum(self.scores.values()) / len(self.scores)
+
+    def record(self) -> dict[str, Any]:
+        """The row as results.json holds it (per-item correctness stays in the eval cache)."""
+        out: dict[str, Any] = {"group": self.group, "label": self.label, "kind": self.kind}
+        if self.domain is not None:
+            out["domain"] = self.domain
+        out["scores"] = self.scores
+        out["n_items"] = self.evaluation.n_items
+        if self.rho:
+            out["rho_l1"] = self.rho
+        if self.delta_vs_none is not None:
+            out["delta_vs_none"] = self.delta_vs_none
+        return out
+
+
+def add_deltas(rows: Sequence[Row]) -> None:
+    """Fill `delta_vs_none` of each surgery row against its group's no-surgery row, in points."""
+    none = {row.group: row.evaluation for row in rows if row.kind == "none"}
+    for row in rows:
+        if row.kind != "surgery":
+            continue
+        ref = none[row.group]
+        diffs = {}
+        for d in DOMAIN_NAMES:
+            a, b = row.evaluation.items[d], ref.items[d]
+            if len(a) != len(b):
+                raise ValueError(
+                    f"{row.group} / {row.label}: {d} has {len(a)} items, none {len(b)}"
+                )
+            diffs[d] = [100.0 * (x - y) for x, y in zip(a, b, strict=True)]
+        ci = paired_bootstrap(diffs, BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED)
+        row.delta_vs_none = {"mean": ci.mean, "ci95": [ci.low, ci.high]}
+
+
+def significant(delta: dict[str, Any]) -> bool:
+    """The 95 % interval excludes zero."""
+    low, high = delta["ci95"]
+    return low > 0 or high < 0
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    """Exact match % per domain, average, Δ vs no surgery [95 % CI], mean ρ_L1."""
+    head = ["Merge", "Surgery", *DOMAIN_NAMES, "Avg.", "Δ vs none [95% CI]", "mean ρ_L1"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    group = None
+    for row in rows:
+        shown = row.group if row.group != group else ""
+        group = row.group
+        rho = f"{sum(row.rho.values()) / len(row.rho):.3f}" if row.rho else ""
+        delta = ""
+        if row.delta_vs_none is not None:
+            low, high = row.delta_vs_none["ci95"]
+            mark = " *" if significant(row.delta_vs_none) else ""
+            mean = row.delta_vs_none["mean"]
+            delta = f"{_points(mean)} [{_points(low)}, {_points(high)}]{mark}"
+        cells = [
+            shown,
+            row.label,
+            *(f"{row.scores[d]:.1f}" for d in DOMAIN_NAMES),
+            f"{row.average:.1f}",
+            delta,
+            rho,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _points(value: float) -> str:
+    """Signed, one decimal, and never "-0.0"."""
+    text = f"{value:+.1f}"
+    return "+0.0" if text == "-0.0" else text
+
+
+def regime(rows: Sequence[Row]) -> dict[str, Any]:
+    """Share of each expert's gain over the base that each merge keeps without surgery."""
+    base = next(r.scores for r in rows if r.kind == "base")
+    experts = {r.domain: r.scores for r in rows if r.kind == "expert" and r.domain}
+    out: dict[str, Any] = {
+        "expert_own": {d: s[d] for d, s in experts.items()},
+        "gain_over_base": {d: s[d] - base[d] for d, s in experts.items()},
+        "gains_kept": {},
+    }
+    for row in rows:
+        if row.kind == "none":
+            out["gains_kept"][row.group] = gains_kept(base, experts, row.scores)
+    return out
+
+
+def summary(rows: Sequence[Row], regime_numbers: dict[str, Any]) -> str:
+    """Plain-text lines: which surgery rows differ from no surgery, and the regime."""
+    lines = []
+    for row in rows:
+        if row.delta_vs_none is None:
+            continue
+        verdict = "differs from" if significant(row.delta_vs_none) else "does not differ from"
+        lines.append(f"{row.group} / {row.label}: {verdict} no surgery (95% CI)")
+    for merge, kept in regime_numbers["gains_kept"].items():
+        shares = ", ".join(f"{d} {'n/a' if v is None else f'{v:.2f}'}" for d, v in kept.items())
+        lines.append(f"{merge}, no surgery, share of each expert's gain kept: {shares}")
+    return "\n".join(lines)
