@@ -8,7 +8,6 @@ site directories are added by hand (the venv's own copy is the one `make install
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 import site
@@ -16,15 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mergekit.merge
 import pytest
 import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
-from test_config import merge_config
+from test_config import merge, merge_config
 
 from mergekit_darts.envflags import EnvFlagError, env_flag
-from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -63,16 +58,6 @@ def test_anything_else_is_one_line(value):
     )
 
 
-def _merge(config: dict, out: Path) -> None:
-    merge_with_surgery(
-        inspect.unwrap(mergekit.merge.run_merge),
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True),
-        yaml.safe_dump(config, sort_keys=False),
-    )
-
-
 @pytest.mark.parametrize("value", ["false", "no", "0", "OFF"])
 def test_overwrite_false_keeps_the_folder(
     tiny_family, calibration_data, tmp_path, monkeypatch, value
@@ -82,7 +67,7 @@ def test_overwrite_false_keeps_the_folder(
     (out / "surgery" / "manifest.json").write_text("{}")
     monkeypatch.setenv("DARTS_OVERWRITE_SURGERY", value)
     with pytest.raises(Exception, match="already exists"):
-        _merge(merge_config(tiny_family, calibration_data), out)
+        merge(merge_config(tiny_family, calibration_data), out)
     assert sorted(p.name for p in out.iterdir()) == ["surgery"]
 
 
@@ -94,7 +79,7 @@ def test_flag_that_is_not_a_boolean_is_refused_before_merging(
 ):
     monkeypatch.setenv(name, value)
     with pytest.raises(EnvFlagError, match=f"^{name}='{value}' is not a boolean"):
-        _merge(merge_config(tiny_family, calibration_data), tmp_path / "out")
+        merge(merge_config(tiny_family, calibration_data), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
