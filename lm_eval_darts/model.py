@@ -23,11 +23,10 @@ from lm_eval.models.huggingface import HFLM
 
 from lm_eval_darts.hook import register
 from lm_eval_darts.leakage import LeakageCheck
-from mergekit_darts.apply import SurgeryHandle, model_folder
-from mergekit_darts.artifacts import load_surgery, read_manifest, resolve_task
-from mergekit_darts.core.modules import SurgeryModule
+from mergekit_darts.apply import Correction, SurgeryHandle, model_folder
+from mergekit_darts.artifacts import load_routed, load_surgery, read_manifest, resolve_task
 from mergekit_darts.errors import SurgeryFormatError
-from mergekit_darts.routing import AUTO, NONE, manifest_routes, parse_surgery_map, route
+from mergekit_darts.routing import AUTO, NONE, ROUTED, manifest_routes, parse_surgery_map, route
 
 eval_logger = logging.getLogger(__name__)
 
@@ -69,13 +68,14 @@ def weights_folder(pretrained: Any, subfolder: str) -> Path | None:
 
 @dataclass(frozen=True)
 class SurgeryPlan:
-    """What ``hf-darts`` applies: one task's module, a per-lm-eval-task routing, or nothing."""
+    """What ``hf-darts`` applies: one task's module, every module behind the folder's router, a
+    per-lm-eval-task routing, or nothing."""
 
-    mode: str  # a surgery task name, AUTO or NONE
+    mode: str  # a surgery task name, ROUTED, AUTO or NONE
     folder: Path | None = None
     available: tuple[str, ...] = ()
     routes: Mapping[str, str] | None = None  # lm-eval task or glob -> surgery task | NONE (auto)
-    modules: Mapping[str, SurgeryModule] = field(default_factory=dict)
+    modules: Mapping[str, Correction] = field(default_factory=dict)
 
     @classmethod
     def resolve(
@@ -103,9 +103,13 @@ class SurgeryPlan:
             if len(names) > 1:
                 raise ValueError(
                     f"{folder} holds surgery tasks {', '.join(names)}: choose "
-                    f"surgery=<task>, surgery=auto (per lm-eval task) or surgery=none"
+                    f"surgery=<task>, surgery=auto (per lm-eval task), "
+                    f"surgery=routed (by the router, if the block had route:) or surgery=none"
                 )
             surgery = names[0]
+        if keyword == ROUTED:
+            routed = load_routed(folder, weights=weights)
+            return cls(ROUTED, folder, names, modules={ROUTED: routed})
         if surgery_map is None and keyword != AUTO:
             task = resolve_task(manifest, str(surgery), folder)
             module = load_surgery(folder, task, weights=weights)
@@ -126,7 +130,8 @@ class SurgeryPlan:
 class DartsHFLM(HFLM):
     """HFLM whose LM head sees ``module(h, p)`` instead of ``h`` (DARTS, paper eq. 4).
 
-    Model args: ``surgery=<task>|auto|none`` (default: the folder's only task),
+    Model args: ``surgery=<task>|auto|routed|none`` (default: the folder's only task; ``routed``:
+    every request gets the router-weighted correction, whatever its lm-eval task),
     ``surgery_path=`` (default ``<pretrained>/surgery``) and ``surgery_map=<lm-eval task>:<surgery
     task>;...`` (replaces the manifest's ``eval_tasks`` routing; implies ``auto``). Everything else
     goes to HFLM unchanged. ``surgery=none`` attaches nothing, so it scores exactly like ``hf``.

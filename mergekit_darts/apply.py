@@ -21,7 +21,11 @@ import torch
 from torch import nn
 
 from mergekit_darts.core.modules import SurgeryModule
+from mergekit_darts.core.router import RoutedSurgery
 from mergekit_darts.deploy.modeling_darts import call_positions, head_positions, positional_names
+from mergekit_darts.routing import ROUTED
+
+Correction = SurgeryModule | RoutedSurgery  # anything with hidden_size and forward(h, positions)
 
 
 class SurgeryHandle:
@@ -30,7 +34,7 @@ class SurgeryHandle:
     Use as a context manager or call :meth:`remove` to take the hooks off again.
     """
 
-    def __init__(self, model: nn.Module, module: SurgeryModule | None):
+    def __init__(self, model: nn.Module, module: Correction | None):
         head = model.get_output_embeddings()
         if head is None:
             raise ValueError(f"{type(model).__name__} has no output embedding to attach surgery to")
@@ -50,11 +54,11 @@ class SurgeryHandle:
         ]
 
     @property
-    def module(self) -> SurgeryModule | None:
+    def module(self) -> Correction | None:
         return self._module
 
     @module.setter
-    def module(self, module: SurgeryModule | None) -> None:
+    def module(self, module: Correction | None) -> None:
         if module is not None and module.hidden_size != self.hidden_size:
             raise ValueError(
                 f"surgery hidden size {module.hidden_size} does not match the model's "
@@ -75,8 +79,9 @@ class SurgeryHandle:
         h = args[0]
         positions = head_positions(self._positions, self._logits_to_keep, h)
         module = self._module
-        if module.down.weight.device != h.device:  # accelerate may put the head anywhere;
-            module = self._module = module.to(h.device)  # checked cheaply: this runs per token
+        weight = next(module.parameters(), None)  # None: the `none` module, nothing to move
+        if weight is not None and weight.device != h.device:  # accelerate may put the head
+            module = self._module = module.to(h.device)  # anywhere; checked cheaply, per token
         positions = positions.to(h.device)
         if not torch.is_autocast_enabled(h.device.type):
             return (module(h, positions), *args[1:])
@@ -98,17 +103,22 @@ class SurgeryHandle:
 
 
 def apply_surgery(
-    model: nn.Module, path: str | Path | SurgeryModule, task: str | None = None
+    model: nn.Module, path: str | Path | Correction, task: str | None = None
 ) -> SurgeryHandle:
     """Correct ``model``'s final hidden state with the surgery module of ``task`` stored at ``path``.
 
-    ``path`` is a ``surgery/`` folder (``task`` may be omitted when it holds one task) or an
-    already-built :class:`SurgeryModule`. A folder calibrated on other weights than the model's
-    (its local folder, ``model.name_or_path``; else the one around ``path``) is refused.
+    ``path`` is a ``surgery/`` folder (``task`` may be omitted when it holds one task; ``"routed"``
+    applies every routed task's module behind the folder's router) or an already-built
+    :class:`SurgeryModule` / :class:`RoutedSurgery`. A folder calibrated on other weights than the
+    model's (its local folder, ``model.name_or_path``; else the one around ``path``) is refused.
     Returns a handle whose ``remove()`` undoes it.
     """
-    if isinstance(path, SurgeryModule):
+    if isinstance(path, SurgeryModule | RoutedSurgery):
         module = path
+    elif task == ROUTED:
+        from mergekit_darts.artifacts import load_routed
+
+        module = load_routed(path, weights=model_folder(model))
     else:
         from mergekit_darts.artifacts import load_surgery
 

@@ -19,10 +19,20 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from mergekit_darts.core.modules import SurgeryModule, build_module
+from mergekit_darts.core.router import RoutedSurgery, Router
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.fs import staged_folder
 from mergekit_darts.identity import weights_identity
-from mergekit_darts.manifest import FORMAT, MANIFEST, SURGERY_YAML, VERSION, Manifest, module_file
+from mergekit_darts.manifest import (
+    FORMAT,
+    MANIFEST,
+    ROUTER,
+    SURGERY_YAML,
+    VERSION,
+    Manifest,
+    module_file,
+)
+from mergekit_darts.routing import ROUTED
 
 
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
@@ -107,6 +117,11 @@ def load_surgery(
     manifest = read_manifest(folder)
     task = resolve_task(manifest, task, folder)
     check_calibrated_on(manifest, folder, weights)
+    return _load_module(folder, manifest, task)
+
+
+def _load_module(folder: Path, manifest: Manifest, task: str) -> SurgeryModule:
+    """One task's module from its file, its tensors checked against the manifest entry."""
     entry = manifest.tasks[task]
     kind, rank, max_positions = entry.module, entry.rank, entry.max_positions
     hidden_size = manifest.hidden_size
@@ -132,6 +147,44 @@ def load_surgery(
     module = build_module(kind, hidden_size, rank, max_positions)
     module.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
     return module.eval()
+
+
+def load_routed(folder: str | Path, *, weights: str | Path | None = None) -> RoutedSurgery:
+    """Every routed task's module behind the router of ``surgery/router.safetensors``.
+
+    Refused with one line: a folder without a router (its block had no ``route:``), a router
+    naming tasks the folder lacks, or a router file whose tensors do not fit the manifest.
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    entry = manifest.router
+    if entry is None:
+        raise SurgeryFormatError(
+            f"{folder} has no router, so surgery={ROUTED} cannot be used: add `route:` to the "
+            "surgery block (two or more tasks) and re-run `mergekit-darts calibrate`"
+        )
+    if missing := [task for task in entry.tasks if task not in manifest.tasks]:
+        raise SurgeryFormatError(
+            f"{folder / MANIFEST}: the router weighs task(s) {', '.join(missing)} that the folder "
+            f"does not hold (it has {', '.join(manifest.tasks)}); re-run the surgery"
+        )
+    check_calibrated_on(manifest, folder, weights)
+    router = Router(manifest.hidden_size, entry.tasks, entry.background)
+    file = folder / entry.file
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise SurgeryFormatError(f"router file {file} is missing or unreadable ({err})") from err
+    expected = {name: tuple(t.shape) for name, t in sorted(router.state_dict().items())}
+    found = {name: tuple(t.shape) for name, t in sorted(tensors.items())}
+    if found != expected:
+        raise SurgeryFormatError(
+            f"{file} holds tensors {found}, but a router over {len(router.classes)} classes "
+            f"({', '.join(router.classes)}) with hidden_size={manifest.hidden_size} needs {expected}"
+        )
+    router.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
+    modules = {task: _load_module(folder, manifest, task) for task in entry.tasks}
+    return RoutedSurgery(modules, router).eval()
 
 
 def _require_finite(folder: Path, modules: Mapping[str, SurgeryModule], manifest: Manifest) -> None:
@@ -168,6 +221,7 @@ def write_surgery_folder(
     manifest: Manifest | Mapping[str, Any],
     *,
     extra_files: Mapping[str, bytes] | None = None,
+    router: Router | None = None,
 ) -> Path:
     """Write modules + manifest to ``folder`` atomically (temporary sibling, then rename).
 
@@ -175,12 +229,15 @@ def write_surgery_folder(
     filled in here.
     ``extra_files`` (relative name -> bytes: diagnostics, the surgery YAML) land in the same
     staging folder, so they appear together with the modules or not at all.
+    ``router`` (with ``manifest.router`` describing it) is written to ``router.safetensors``.
     An existing ``folder`` is replaced only after the new one is complete.
     """
     folder = Path(folder)
     if not isinstance(manifest, Manifest):
         manifest = Manifest.from_dict(manifest, where="the manifest to write")
-    _require_finite(folder, modules, manifest)
+    if (router is None) != (manifest.router is None):
+        raise ValueError("pass the router together with the manifest's router entry, or neither")
+    _require_finite(folder, {**modules, **({ROUTED: router} if router else {})}, manifest)
     for name in extra_files or {}:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise ValueError(f"extra file {name!r} must be a relative path inside the folder")
@@ -196,6 +253,13 @@ def write_surgery_folder(
             # through a plain write: safetensors' save_file would make the file 0600.
             (staging / file).write_bytes(save(state, metadata={"format": FORMAT}))
             manifest.tasks[name].file = file
+        if router is not None:
+            state = {
+                k: v.detach().to("cpu", torch.float32).contiguous()
+                for k, v in router.state_dict().items()
+            }
+            (staging / ROUTER).write_bytes(save(state, metadata={"format": FORMAT}))
+            manifest.router.file = ROUTER
         for name, data in (extra_files or {}).items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_bytes(data)

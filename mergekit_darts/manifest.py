@@ -22,6 +22,7 @@ SURGERY_DIR = "surgery"  # the folder inside a merged model
 MANIFEST = "manifest.json"
 SURGERY_YAML = "surgery.yml"  # the block as it was run
 REPORT_DIR = "report"  # inside surgery/: replaced together with the modules it describes
+ROUTER = "router.safetensors"  # the gate of ``route:`` (``weight`` [K', H], ``bias`` [K'])
 RECIPE = "mergekit_config.yml"  # mergekit's record of the merge
 FORMAT = "darts-surgery"
 VERSION = 1
@@ -92,6 +93,37 @@ class TaskEntry(_Record):
         return list(self.eval_tasks) or [name]
 
 
+class RouterEntry(_Record):
+    """``route:``'s gate: the tasks it weighs (in gate order), whether a last "none" class was
+    fitted on background text, and how well it picks the task on held-out prompts."""
+
+    tasks: list[str] = Field(min_length=2)
+    background: bool = False
+    file: str = ROUTER
+    held_out: dict[str, Any] | None = None
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, tasks: list[str]) -> list[str]:
+        for name in tasks:
+            check_task_name(name)
+        if len(set(tasks)) != len(tasks):
+            raise ValueError(f"lists a task twice: {tasks}")
+        return tasks
+
+    @field_validator("file")
+    @classmethod
+    def _plain_file(cls, name: str) -> str:
+        if PurePosixPath(name).name != name or name in (".", "..") or "\\" in name:
+            raise ValueError(f"{name!r} must be a plain file name inside surgery/")
+        return name
+
+    @property
+    def classes(self) -> list[str]:
+        """Gate classes in order: the tasks, then "none" when fitted with background."""
+        return [*self.tasks, *(["none"] if self.background else [])]
+
+
 class Manifest(_Record):
     """``surgery/manifest.json``: shared facts about the run, and one :class:`TaskEntry` per task."""
 
@@ -109,6 +141,7 @@ class Manifest(_Record):
     # written before it was recorded (or by hand), which loaders accept unchecked
     merged_identity: str | None = None
     tasks: dict[str, TaskEntry]
+    router: RouterEntry | None = None  # present when the block had ``route:``
 
     @field_validator("config")
     @classmethod

@@ -20,7 +20,12 @@ if TYPE_CHECKING:
 
 NONE = "none"  # no correction
 AUTO = "auto"  # one module per request, chosen by its lm-eval task
-RESERVED_TASK_NAMES = (NONE, AUTO)  # values of hf-darts' ``surgery=`` with their own meaning
+ROUTED = "routed"  # every task's module behind the gate of ``route:`` (core.router)
+RESERVED_TASK_NAMES = (
+    NONE,
+    AUTO,
+    ROUTED,
+)  # values of hf-darts' ``surgery=`` with their own meaning
 TASK_NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "_.-")
 
 
@@ -33,7 +38,7 @@ def check_task_name(name: str) -> str:
             "start with a letter or digit"
         )
     if name.lower() in RESERVED_TASK_NAMES:
-        raise ValueError(f"{name!r} is reserved by hf-darts (surgery=none|auto); rename it")
+        raise ValueError(f"{name!r} is reserved by hf-darts (surgery=none|auto|routed); rename it")
     return name
 
 

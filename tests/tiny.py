@@ -12,7 +12,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.core.modules import SurgeryModule, build_module
+from mergekit_darts.core.router import Router
 
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
 WORDS = (
@@ -72,6 +74,48 @@ def random_module(
         for param in module.parameters():
             param.copy_(0.3 * torch.randn(param.shape, generator=generator))
     return module.eval()
+
+
+def random_router(
+    hidden_size: int, tasks: list[str], background: bool, seed: int, scale: float = 1.0
+) -> Router:
+    """A router with random gate weights, so every class gets a visibly different share."""
+    router = Router(hidden_size, tasks, background)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in router.parameters():
+            param.copy_(scale * torch.randn(param.shape, generator=generator))
+    return router.eval()
+
+
+def write_routed_surgery(
+    folder: Path,
+    hidden_size: int,
+    kinds: dict[str, str],
+    *,
+    background: bool = True,
+    rank: int = 4,
+    max_positions: int = 10,
+    seed: int = 0,
+) -> dict[str, SurgeryModule]:
+    """``folder`` (a ``surgery/`` folder) with one random module per task (name -> kind) and a
+    random router over all of them; returns the modules by task name."""
+    modules = {
+        name: random_module(kind, hidden_size, rank, max_positions, seed=seed + i)
+        for i, (name, kind) in enumerate(kinds.items(), start=1)
+    }
+    router = random_router(hidden_size, list(kinds), background, seed=seed)
+    tasks = {
+        name: {"module": kind, "rank": rank, "max_positions": max_positions}
+        for name, kind in kinds.items()
+    }
+    manifest = {
+        "hidden_size": hidden_size,
+        "tasks": tasks,
+        "router": {"tasks": list(kinds), "background": background},
+    }
+    write_surgery_folder(folder, modules, manifest, router=router)
+    return modules
 
 
 def tiny_config(vocab_size: int, hidden_size: int = 64, **overrides) -> LlamaConfig:

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-MODULE_KINDS = ("standard", "pos_corr", "add", "parallel")
+MODULE_KINDS = ("standard", "pos_corr", "add", "parallel", "none")
 
 
 class SurgeryModule(nn.Module):
@@ -114,8 +114,34 @@ class ParallelPosition(_PositionEmbedding):
         return self.content(h) + self.position_up(torch.relu(self.position_down(e)))
 
 
+class NoCorrection(SurgeryModule):
+    """``module: none``: the merge as it is, ``h_hat = h``. No parameters, nothing to train.
+
+    A ``select`` candidate like any other, so a task whose corrections all hurt on held-out
+    prompts keeps the uncorrected merge: surgery is never worse than no surgery on what it measured.
+    """
+
+    kind = "none"
+
+    def __init__(self, hidden_size: int, rank: int = 16, max_positions: int = 512):
+        nn.Module.__init__(self)
+        if hidden_size <= 0 or rank <= 0 or max_positions <= 0:
+            raise ValueError(
+                f"hidden_size, rank and max_positions must be positive, got "
+                f"{hidden_size}, {rank}, {max_positions}"
+            )
+        self.hidden_size, self.rank, self.max_positions = hidden_size, rank, max_positions
+
+    def content(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(h)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return h
+
+
 _KINDS: dict[str, type[SurgeryModule]] = {
-    cls.kind: cls for cls in (StandardSurgery, PositionCorrection, AddPosition, ParallelPosition)
+    cls.kind: cls
+    for cls in (StandardSurgery, PositionCorrection, AddPosition, ParallelPosition, NoCorrection)
 }
 
 
