@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mergekit_darts.config import CalibrationConfig, ResolvedTask, calibration_file
+from mergekit_darts.config import CalibrationConfig, ResolvedTask, prompt_file
 from mergekit_darts.errors import SurgeryConfigError
 
 LOG = logging.getLogger("mergekit_darts")
@@ -36,9 +36,14 @@ def sha256_text(text: str) -> str:
 
 def load_prompts(task: ResolvedTask) -> Prompts:
     """The first ``num_samples`` usable prompts of the task's source (fewer: a warning)."""
-    cal, key = task.calibration, f"{task.key}.calibration"
+    return read_prompts(task.calibration, f"{task.key}.calibration", f"task {task.name!r}")
+
+
+def read_prompts(cal: CalibrationConfig, key: str, who: str) -> Prompts:
+    """The first ``num_samples`` usable prompts of the source ``cal`` at ``key`` (a task's
+    calibration, route's background), for ``who`` (in the warning when fewer were found)."""
     if cal.path is not None:
-        path = calibration_file(task)
+        path = prompt_file(cal, key)
         source, records = cal.path, _file_records(path, f"{key}.path")
     else:
         source = f"dataset {cal.dataset}{f'/{cal.name}' if cal.name else ''}:{cal.split}"
@@ -60,12 +65,12 @@ def load_prompts(task: ResolvedTask) -> Prompts:
         )
     if len(texts) < cal.num_samples:
         LOG.warning(
-            "%s.num_samples: %s holds %d usable prompts, fewer than %d; calibrating task %r on %d",
+            "%s.num_samples: %s holds %d usable prompts, fewer than %d; calibrating %s on %d",
             key,
             source,
             len(texts),
             cal.num_samples,
-            task.name,
+            who,
             len(texts),
         )
     return Prompts(tuple(texts), tuple(sha256_text(t) for t in texts), source)

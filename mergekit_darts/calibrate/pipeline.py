@@ -21,14 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.collect import (
     Calibration,
     capture_merged,
     capture_target,
     group_by_target,
 )
-from mergekit_darts.calibrate.data import Prompts, calibration_ids, load_prompts
+from mergekit_darts.calibrate.data import (
+    Prompts,
+    calibration_ids,
+    load_prompts,
+    read_prompts,
+    tokenize_prompts,
+)
 from mergekit_darts.calibrate.fit import TaskRun, require_completion_tokens, train_task
+from mergekit_darts.calibrate.route import FittedRouter, fit_router, route_classes
 from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer, stage
 from mergekit_darts.calibrate.store import CaptureStore, check_cache_dir
 from mergekit_darts.calibrate.write import write_surgery
@@ -38,14 +46,20 @@ from mergekit_darts.config import (
     calibration_file,
     check_holdout,
     check_output,
+    check_route_holdout,
     check_targets,
     parse_surgery,
+    prompt_file,
     read_surgery_file,
     resolve_tasks,
+    route_tasks,
 )
+from mergekit_darts.core.router import NONE_CLASS
 from mergekit_darts.manifest import Manifest, surgery_dir
 
 PhaseHook = Callable[[str], AbstractContextManager[Any]]
+BACKGROUND_KEY = "surgery.route.background"
+BACKGROUND = "route:background"  # its captures' name in messages; never a task name (no ':')
 
 __all__ = [
     "CapturedTasks",
@@ -72,6 +86,7 @@ class PreparedSurgery:
     tasks: list[ResolvedTask]
     targets: dict[str, str]  # task name -> local folder or Hub id
     prompts: dict[str, Prompts]
+    background: Prompts | None = None  # route.background's prompts (no correction)
 
 
 def prepare_surgery(
@@ -98,6 +113,9 @@ def prepare_surgery(
     check_cache_dir(config.cache_dir)
     for task in tasks:
         calibration_file(task)
+    background = config.route.background if config.route is not None else None
+    if background is not None:
+        prompt_file(background, BACKGROUND_KEY)
     targets = check_targets(
         tasks,
         reference,
@@ -110,7 +128,14 @@ def prepare_surgery(
     prompts = {task.name: load_prompts(task) for task in tasks}
     for task in tasks:
         check_holdout(task, len(prompts[task.name].texts))
-    return PreparedSurgery(block, config, tasks, targets, prompts)
+    background_prompts = None
+    if config.route is not None:
+        counts = {name: len(prompts[name].texts) for name in route_tasks(config)}
+        if background is not None:
+            background_prompts = read_prompts(background, BACKGROUND_KEY, "the router's background")
+            counts[NONE_CLASS] = len(background_prompts.texts)
+        check_route_holdout(config, counts)
+    return PreparedSurgery(block, config, tasks, targets, prompts, background_prompts)
 
 
 def _raw_block(surgery_config: SurgeryConfig | Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
@@ -142,9 +167,13 @@ def calibrate(
     captured = capture_tasks(merged, prepared, progress=progress, store=store, on_phase=on_phase)
     for run in captured.runs:
         require_completion_tokens(run)
+    fitted = None
     with on_phase("train"):
         for run in captured.runs:
             train_task(run, captured.runtime)
+        if prepared.config.route is not None:
+            with stage(None, "fitting the router"):
+                fitted = _fit_router(prepared, captured)
     with stage(None, f"writing {surgery_dir(merged)}"):
         return write_surgery(
             merged,
@@ -155,7 +184,43 @@ def calibrate(
             load_merged_s=captured.load_merged_s,
             started=started,
             captures=store.stats.since(stats),
+            router=fitted,
         )
+
+
+def _fit_router(prepared: PreparedSurgery, captured: CapturedTasks) -> FittedRouter:
+    """The gate of ``route:`` over the routed tasks' captures (and the background's)."""
+    config, route = prepared.config, prepared.config.route
+    runs = {run.task.name: run for run in captured.runs}
+    tasks = [
+        (name, runs[name].merged, runs[name].loss_mask(), runs[name].prompts.sha256)
+        for name in route_tasks(config)
+    ]
+    background = None
+    if captured.background is not None:
+        background = (captured.background, prepared.background.sha256)
+    fitted = fit_router(
+        route_classes(tasks, background),
+        background=background is not None,
+        holdout=route.holdout,
+        l2=route.l2,
+        steps=route.steps,
+        seed=config.seed,
+        device=captured.runtime.device,
+    )
+    if background is not None:
+        cal = route.background
+        fitted.entry["background_calibration"] = {
+            "source": prepared.background.source,
+            **({"template": cal.template} if cal.template else {"field": cal.field or "text"}),
+            "num_samples": cal.num_samples,
+            "num_prompts": len(prepared.background.texts),
+            "max_length": cal.max_length,
+            "chat_template": cal.chat_template,
+            "prompt_sha256": list(prepared.background.sha256),
+            "prompt_tokens": [int(n) for n in captured.background.mask.sum(-1).tolist()],
+        }
+    return fitted
 
 
 @dataclass
@@ -165,6 +230,7 @@ class CapturedTasks:
     runs: list[TaskRun]
     runtime: Runtime
     load_merged_s: float
+    background: Captured | None = None  # the merged model's states on route.background
 
 
 def capture_tasks(
@@ -201,9 +267,11 @@ def capture_tasks(
     for target, group in group_by_target(list(calibrations.values())).items():
         with on_phase("target"):
             capture_target(store, target, group, runtime)  # loaded once, only if the store lacks it
+    background = _background_calibration(prepared, tokenizer)
     with on_phase("merged"):
-        capture_merged(store, str(merged), list(calibrations.values()), runtime)
-    load_merged_s = 0.0
+        merged_only = [background] if background is not None else []
+        capture_merged(store, str(merged), [*calibrations.values(), *merged_only], runtime)
+    load_merged_s = background.timings.pop("load_merged_s", 0.0) if background else 0.0
     for run in runs:
         cal = calibrations[run.task.name]
         load_merged_s += cal.timings.pop("load_merged_s", 0.0)
@@ -214,4 +282,28 @@ def capture_tasks(
         )
         run.target, run.merged = cal.target, cal.merged
         run.timings.update(cal.timings)
-    return CapturedTasks(runs, runtime, load_merged_s)
+    return CapturedTasks(runs, runtime, load_merged_s, background and background.merged)
+
+
+def _background_calibration(prepared: PreparedSurgery, tokenizer: Any) -> Calibration | None:
+    """route.background as one more capture of the merged model (no target, no completion)."""
+    if prepared.background is None:
+        return None
+    config = prepared.config
+    cal = config.route.background
+    ids = tokenize_prompts(
+        tokenizer,
+        prepared.background.texts,
+        max_length=cal.max_length,
+        chat_template=cal.chat_template,
+        key=BACKGROUND_KEY,
+    )
+    return Calibration(
+        name=BACKGROUND,
+        target_path="",
+        prompt_ids=ids,
+        continuation_tokens=0,
+        batch_size=config.batch_size,
+        with_head=False,
+        sequences=ids,
+    )

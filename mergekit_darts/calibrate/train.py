@@ -133,7 +133,8 @@ def train_surgery(
 
     ``loss_mask`` [N, T] chooses which real tokens the loss and rho_L1 cover (default: all).
     ``rows`` (sequence indices, default all) trains on a subset without copying the captures:
-    the rest is held out, and the result's rho_L1 covers the training rows only.
+    the rest is held out, and the result's rho_L1 covers the training rows only. A module
+    without parameters (kind ``none``) is measured, not trained: delta after = delta before.
     """
     if merged.hidden.shape != target.hidden.shape or not torch.equal(merged.mask, target.mask):
         raise ValueError(
@@ -156,13 +157,19 @@ def train_surgery(
     merged, target = _to(merged, device), _to(target, device)
     counted = counted.to(device)
     module = module.to(device=device, dtype=torch.float32).train()
-    optimizer = torch.optim.Adam(module.parameters(), lr=settings.lr, betas=(0.9, 0.999))
-    generator = torch.Generator().manual_seed(settings.seed)
-    batches = epoch_batches(rows, settings.batch_size, generator)
     curve: list[float] = []
     loss_start = dataset_loss(module, merged, target, rows, counted, settings)
     start = time.perf_counter()
-    for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
+    # A module without parameters (``none``: the merge as it is) has nothing to train: no
+    # optimizer, and its curve is its one loss over the training tokens.
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    steps = settings.steps if trainable else 0
+    if not trainable:
+        curve.append(loss_start)
+    optimizer = torch.optim.Adam(trainable, lr=settings.lr, betas=(0.9, 0.999)) if steps else None
+    generator = torch.Generator().manual_seed(settings.seed)
+    batches = epoch_batches(rows, settings.batch_size, generator)
+    for _ in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
         batch = next(batches).to(device)
         if not counted[batch].any():
             continue

@@ -24,6 +24,7 @@ from safetensors.torch import save as safetensors_bytes
 from mergekit_darts.artifacts import read_manifest, write_surgery_folder
 from mergekit_darts.calibrate.continuation import tokens_sha256
 from mergekit_darts.calibrate.fit import TaskRun, settings_of
+from mergekit_darts.calibrate.route import FittedRouter
 from mergekit_darts.config import SurgeryConfig, model_shape
 from mergekit_darts.core.metrics import rho_from_deltas
 from mergekit_darts.identity import weights_identity
@@ -42,11 +43,13 @@ def write_surgery(
     load_merged_s: float,
     started: float,
     captures: dict[str, int],
+    router: FittedRouter | None = None,
 ) -> Manifest:
     """Modules, manifest, diagnostics and the block, in one atomic folder; returns the manifest.
 
     ``started`` is the run's ``time.perf_counter()`` at its start (the manifest's ``total_s``);
-    ``captures`` the store's counts for the run.
+    ``captures`` the store's counts for the run; ``router`` the gate of ``route:`` (written to
+    ``router.safetensors``, its entry to the manifest's ``router``).
     """
     trust = config.trust_remote_code
     shape = model_shape(str(merged), f"merged model {merged}", trust_remote_code=trust)
@@ -65,11 +68,19 @@ def write_surgery(
         "merged_identity": weights_identity(merged),  # loaders refuse other weights
         "tasks": {run.task.name: _task_entry(run) for run in runs},
     }
+    if router is not None:
+        manifest["router"] = router.entry
     dumped = yaml.safe_dump({BLOCK_KEY: dict(block)}, sort_keys=False)
     extra = {SURGERY_YAML: dumped.encode("utf-8")}
     extra |= {diagnostics_file(run.task.name): _diagnostics(run) for run in runs}
     modules = {run.task.name: run.result.module for run in runs}
-    write_surgery_folder(surgery_dir(merged), modules, manifest, extra_files=extra)
+    write_surgery_folder(
+        surgery_dir(merged),
+        modules,
+        manifest,
+        extra_files=extra,
+        router=router.router if router is not None else None,
+    )
     return read_manifest(surgery_dir(merged))
 
 

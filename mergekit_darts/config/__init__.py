@@ -24,12 +24,15 @@ from mergekit_darts.config.preflight import (
     check_output,
     check_targets,
     model_shape,
+    prompt_file,
 )
 from mergekit_darts.config.resolve import (
     ResolvedTask,
     check_holdout,
+    check_route_holdout,
     holdout_count,
     resolve_tasks,
+    route_tasks,
 )
 from mergekit_darts.config.schema import (
     OVERRIDABLE,
@@ -42,6 +45,7 @@ from mergekit_darts.config.schema import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    RouteConfig,
     StrictBlock,
     SurgeryConfig,
 )
@@ -58,19 +62,23 @@ __all__ = [
     "PositiveFloat",
     "PositiveInt",
     "ResolvedTask",
+    "RouteConfig",
     "StrictBlock",
     "SurgeryConfig",
     "by_files",
     "calibration_file",
     "check_holdout",
+    "check_route_holdout",
     "check_output",
     "check_targets",
     "holdout_count",
     "model_shape",
     "parse_surgery",
+    "prompt_file",
     "read_surgery_file",
     "read_yaml",
     "resolve_device",
     "resolve_tasks",
+    "route_tasks",
     "surgery_block",
 ]

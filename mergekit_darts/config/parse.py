@@ -17,7 +17,7 @@ import yaml
 from pydantic import ValidationError
 
 from mergekit_darts.config.resolve import ResolvedTask, resolve_tasks
-from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, SurgeryConfig
+from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig, SurgeryConfig
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.manifest import BLOCK_KEY
 from mergekit_darts.messages import describe_error, first_line
@@ -113,11 +113,49 @@ def _check_rules(config: SurgeryConfig) -> None:
                 if task.select is None:
                     raise
                 raise SurgeryConfigError(f"{task.select_key}.candidates[{number}]: {err}") from None
+    _check_route(config, tasks)
     _check_device(config.device)
 
 
-def _check_calibration(task: ResolvedTask) -> None:
-    cal, key = task.calibration, f"{task.key}.calibration"
+def _check_route(config: SurgeryConfig, tasks: list[ResolvedTask]) -> None:
+    """``route:`` weighs two or more distinct block tasks; its background is a prompt source
+    like a task's calibration, without completions (no target generates for it)."""
+    route = config.route
+    if route is None:
+        return
+    names = [task.name for task in tasks]
+    if route.tasks is None and len(names) < 2:
+        raise SurgeryConfigError(
+            f"surgery.route: a router weighs two or more tasks, the block has {len(names)} "
+            f"({', '.join(names)}); add a task or remove `route:`"
+        )
+    for number, name in enumerate(route.tasks or ()):
+        if name not in names:
+            raise SurgeryConfigError(
+                f"surgery.route.tasks[{number}]: no task named {name!r} in the block (it has "
+                f"{', '.join(names)})"
+            )
+        if name in route.tasks[:number]:
+            raise SurgeryConfigError(
+                f"surgery.route.tasks[{number}]: task {name!r} is listed twice; list it once"
+            )
+    if route.tasks is not None and len(route.tasks) < 2:
+        raise SurgeryConfigError(
+            f"surgery.route.tasks: a router weighs two or more tasks, {len(route.tasks)} named; "
+            "name another or leave the key out (every task of the block)"
+        )
+    if route.background is not None:
+        key = "surgery.route.background"
+        check_source(route.background, key)
+        if route.background.continuation_tokens:
+            raise SurgeryConfigError(
+                f"{key}.continuation_tokens: background text is captured on the merged model "
+                "only, with no target to generate a completion; remove the key"
+            )
+
+
+def check_source(cal: CalibrationConfig, key: str) -> None:
+    """The rules of one prompt source (a task's calibration, route's background) at ``key``."""
     if (cal.path is None) == (cal.dataset is None):
         raise SurgeryConfigError(
             f"{key}: give exactly one source, `path:` (a {'/'.join(CALIBRATION_SUFFIXES)} file) "
@@ -138,6 +176,11 @@ def _check_calibration(task: ResolvedTask) -> None:
             f"(BOS) token, whose state is the same in every prompt; use at least "
             f"{MIN_PROMPT_TOKENS}"
         )
+
+
+def _check_calibration(task: ResolvedTask) -> None:
+    cal, key = task.calibration, f"{task.key}.calibration"
+    check_source(cal, key)
     if cal.max_length > task.max_positions:
         raise SurgeryConfigError(
             f"{key}.max_length: {cal.max_length} exceeds max_positions {task.max_positions} "

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_darts.config.resolve import ResolvedTask
-from mergekit_darts.config.schema import CALIBRATION_SUFFIXES
+from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig
 from mergekit_darts.core.losses import LOGIT_LOSSES
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.manifest import surgery_dir
@@ -51,7 +51,12 @@ def local_or_hub(ref: str, key: str) -> str:
 
 def calibration_file(task: ResolvedTask) -> Path | None:
     """The calibration file of a ``path:`` source, checked to exist and have a known suffix."""
-    cal, key = task.calibration, f"{task.key}.calibration.path"
+    return prompt_file(task.calibration, f"{task.key}.calibration")
+
+
+def prompt_file(cal: CalibrationConfig, key: str) -> Path | None:
+    """The file of a prompt source at ``key`` (a task's calibration, route's background)."""
+    key = f"{key}.path"
     if cal.path is None:
         return None
     path = Path(cal.path).expanduser().resolve()

@@ -128,6 +128,28 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
     }
 
 
+def route_tasks(config: SurgeryConfig) -> list[str]:
+    """The tasks ``route:`` weighs, in gate order: its ``tasks``, else every task of the block."""
+    if config.route is None:
+        return []
+    return list(config.route.tasks or [task.name for task in config.tasks])
+
+
+def check_route_holdout(config: SurgeryConfig, num_prompts: dict[str, int]) -> None:
+    """``route.holdout`` must leave a prompt on each side for every class (task name or "none"
+    for the background) of ``num_prompts``; run once the prompts are read."""
+    fraction = config.route.holdout
+    for name, n in num_prompts.items():
+        held = holdout_count(fraction, n)
+        if held >= n:
+            what = "the background" if name == "none" else f"task {name!r}"
+            raise SurgeryConfigError(
+                f"surgery.route.holdout: {fraction} of the {n} prompt(s) of {what} holds out "
+                f"{held}, leaving none to fit the router on; give it at least 2 prompts or lower "
+                "the fraction"
+            )
+
+
 def holdout_count(fraction: float, n: int) -> int:
     """Prompts held out of ``n``: ``round(fraction * n)``, at least one when holding out at all."""
     return 0 if fraction <= 0 else max(1, round(fraction * n))

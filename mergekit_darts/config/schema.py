@@ -36,6 +36,7 @@ def _not_bool(value: Any) -> Any:
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_not_bool)]
+NonNegativeFloat = Annotated[float, Field(ge=0), BeforeValidator(_not_bool)]
 Fraction = Annotated[float, Field(gt=0, lt=1), BeforeValidator(_not_bool)]
 ModuleKind = Literal[MODULE_KINDS]
 LossName = Literal[LOSSES]
@@ -122,6 +123,22 @@ class TaskConfig(Candidate):
         return tasks
 
 
+class RouteConfig(StrictBlock):
+    """``route:``: one gate over the tasks' corrections, fitted on the merged model's captures.
+
+    ``tasks`` (default: every task of the block, in block order) are the gate's classes; a block
+    holding several variants of one domain names one per domain. ``background`` is text that
+    should get no correction (a last "none" class). ``holdout`` prompts of each class measure the
+    gate; ``l2`` (on the standardised features) and ``steps`` (L-BFGS iterations) shape the fit.
+    """
+
+    tasks: list[str] | None = None
+    holdout: Fraction = 0.2
+    background: CalibrationConfig | None = None
+    l2: NonNegativeFloat = 1e-3
+    steps: PositiveInt = 100
+
+
 class SurgeryConfig(StrictBlock):
     """The whole block; the training settings here are defaults every task may override."""
 
@@ -142,6 +159,7 @@ class SurgeryConfig(StrictBlock):
     cache_dir: str | None = None  # capture store on disk (calibrate.store); off by default
     holdout: Fraction | None = None
     select: SelectConfig | None = None
+    route: RouteConfig | None = None  # one gate over the tasks (calibrate.route)
     tasks: list[TaskConfig] = Field(min_length=1)
 
 
