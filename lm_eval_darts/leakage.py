@@ -1,5 +1,8 @@
 """Calibration leakage: lm-eval requests that contain the calibration prompts of their module.
 
+Under ``surgery=routed`` every request meets every routed task's module, so it is checked against
+the calibration prompts of all of them.
+
 The paper keeps calibration and evaluation disjoint (its Table 7); a module scored on the prompts
 it was fitted to is not held out. ``hf-darts`` checks every request against the token ids the
 surgery run stored in ``surgery/diagnostics/<task>.safetensors``, the way lm-eval's
@@ -28,6 +31,7 @@ from lm_eval.api.instance import Instance
 from safetensors import safe_open
 
 from mergekit_darts.artifacts import read_manifest
+from mergekit_darts.routing import ROUTED
 
 NGRAM = 13  # lm-eval's decontamination n-gram length
 log = logging.getLogger(__name__)
@@ -155,15 +159,26 @@ class LeakageCheck:
         }
 
     def _load(self, folder: Path, module: str) -> CalibrationGrams | None:
+        """The n-grams of ``module``'s calibration prompts; under ``routed``, of every task the
+        router weighs (each request meets all of their modules)."""
         key = (folder, module)
         if key not in self._grams:
-            entry = read_manifest(folder).tasks.get(module)
-            path = folder / entry.diagnostics if entry and entry.diagnostics else None
-            if path is None or not path.is_file():
-                log.info("hf-darts: no calibration diagnostics for %r: leakage not checked", module)
-                self._grams[key] = None
-            else:
-                sequences = calibration_sequences(path, self._special)
-                cut = possibly_cut(entry.calibration, len(sequences))
-                self._grams[key] = CalibrationGrams(sequences, cut=cut)
+            manifest = read_manifest(folder)
+            routed = module == ROUTED and manifest.router is not None
+            names = manifest.router.tasks if routed else [module]
+            sequences: list[list[int]] = []
+            cut: list[bool] = []
+            for name in names:
+                entry = manifest.tasks.get(name)
+                path = folder / entry.diagnostics if entry and entry.diagnostics else None
+                if path is None or not path.is_file():
+                    log.info(
+                        "hf-darts: no calibration diagnostics for %r: leakage not checked", name
+                    )
+                    continue
+                found = calibration_sequences(path, self._special)
+                marks = possibly_cut(entry.calibration, len(found))
+                sequences += found
+                cut += marks or [False] * len(found)
+            self._grams[key] = CalibrationGrams(sequences, cut=cut) if sequences else None
         return self._grams[key]

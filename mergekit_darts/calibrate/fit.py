@@ -128,7 +128,8 @@ def _fit(
         rows=rows,
         device=runtime.device,
         progress=runtime.progress,
-        desc=f"{run.task.name}: train {task.module} + {task.loss}",
+        desc=f"{run.task.name}: "
+        + ("measure none" if task.module == "none" else f"train {task.module} + {task.loss}"),
     )
 
 

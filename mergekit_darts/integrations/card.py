@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mergekit_darts.fs import write_text
-from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR, Manifest, TaskEntry
+from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR, Manifest, RouterEntry, TaskEntry
 from mergekit_darts.messages import first_line
 
 LOG = logging.getLogger("mergekit_darts")
@@ -69,7 +69,7 @@ def surgery_section(manifest: Manifest, name: str) -> str:
             prompts += f" + target completions (≤ {cal['continuation_tokens']} tokens)"
         rows.append(
             f"| `{task}` | `{entry.target}` | {', '.join(entry.eval_tasks)} | "
-            f"{entry.module} | {entry.loss} | {entry.loss_positions} | {prompts} | "
+            f"{entry.module} | {_loss(entry)} | {entry.loss_positions} | {prompts} | "
             f"{metrics['rho_l1']:.3f} |"
         )
     first = next(iter(tasks))
@@ -94,6 +94,7 @@ def surgery_section(manifest: Manifest, name: str) -> str:
             report_link_markdown(name),
             "",
             *_selection_markdown(tasks),
+            *_router_markdown(manifest.router, name),
             "### Evaluate",
             "",
             "```sh",
@@ -130,7 +131,8 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
         candidates = selection["candidates"] if selection else [None]
         for index, candidate in enumerate(candidates):
             if candidate is None:  # a fixed task measured on held-out prompts
-                label, metrics = f"{entry.module} + {entry.loss}", held["all"]
+                label = candidate_label(entry.model_dump(), [])
+                metrics = held["all"]
                 numbers = [metrics["agreement_after"], metrics["kl_after"], metrics["rho_l1"]]
                 kept = "saved"
             else:
@@ -148,6 +150,11 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
             )
     if not rows:
         return []
+    won = [
+        f"For `{task}`, no correction (the merge as it is) won: its module is the identity."
+        for task, entry in tasks.items()
+        if _none_won(entry)
+    ]
     refit = any((e.selection or {}).get("refit") for e in tasks.values())
     return [
         "### Held-out measurement and selection",
@@ -167,6 +174,65 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
         "| task | correction | agreement | KL | ρ_L1 | no surgery: agreement / KL | kept |",
         "|---|---|---|---|---|---|---|",
         *rows,
+        "",
+        *([*won, ""] if won else []),
+    ]
+
+
+def _none_won(entry: TaskEntry) -> bool:
+    """Whether ``select`` kept the ``none`` candidate (the merge as it is)."""
+    selection = entry.selection
+    return bool(selection) and selection["candidates"][selection["chosen"]]["module"] == "none"
+
+
+def _router_rows(router: RouterEntry) -> list[tuple[str, str, str, str, str]]:
+    """(class, prompts, tokens, token accuracy, sequence accuracy): every class, then all."""
+    held = router.held_out or {}
+    rows = [
+        (
+            name,
+            str(m["prompts"]),
+            str(m["tokens"]),
+            _number(m["token_accuracy"]),
+            _number(m["sequence_accuracy"]),
+        )
+        for name, m in held.get("per_task", {}).items()
+    ]
+    if held:
+        rows.append(
+            (
+                "all",
+                str(held["prompts"]),
+                str(held["tokens"]),
+                _number(held["token_accuracy"]),
+                _number(held["sequence_accuracy"]),
+            )
+        )
+    return rows
+
+
+def _router_markdown(router: RouterEntry | None, name: str) -> list[str]:
+    """The gate of ``route:``: how often it picks the right task on held-out prompts."""
+    if router is None:
+        return []
+    classes = ", ".join(f"`{c}`" for c in router.classes)
+    return [
+        "### Router",
+        "",
+        f"One gate weighs the corrections of every task per token (classes {classes}"
+        + ("; `none`: text that gets no correction" if router.background else "")
+        + "), so one model serves them all without being told the task. Measured on "
+        "calibration prompts held out from its fit (the saved gate is the one measured): how "
+        "often it picks the prompt's own task per token, and per prompt (the mean gate over "
+        "its tokens).",
+        "",
+        "| class | prompts | tokens | token accuracy | prompt accuracy |",
+        "|---|---|---|---|---|",
+        *(f"| {' | '.join(row)} |" for row in _router_rows(router)),
+        "",
+        "```sh",
+        f"lm_eval --model hf-darts --model_args pretrained={name},surgery=routed --tasks ...",
+        "```",
         "",
     ]
 
@@ -240,7 +306,7 @@ def print_summary(manifest: Manifest, console: Console | None = None) -> None:
         row = [
             task,
             entry.module,
-            entry.loss,
+            _loss(entry),
             entry.loss_positions,
             str(metrics["tokens"]),
             f"{metrics['delta_before']:.4f}",
@@ -261,6 +327,33 @@ def print_summary(manifest: Manifest, console: Console | None = None) -> None:
     selecting = {task: e.selection for task, e in tasks.items() if e.selection is not None}
     if selecting:
         console.print(_selection_table(selecting))
+    for task, entry in tasks.items():
+        if _none_won(entry):
+            console.print(
+                f"{task}: no correction (the merge as it is) won on the held-out "
+                f"{entry.selection['metric']}; its module is the identity"
+            )
+    if manifest.router is not None:
+        console.print(_router_table(manifest.router))
+
+
+def _router_table(router: RouterEntry) -> Table:
+    table = Table(
+        title="router: held-out prompts, how often the gate picks their own task (per token, "
+        "per prompt)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in ("class", "prompts", "tokens", "token accuracy", "prompt accuracy"):
+        table.add_column(column, justify="left" if column == "class" else "right")
+    for row in _router_rows(router):
+        table.add_row(*row)
+    return table
+
+
+def _loss(entry: TaskEntry) -> str:
+    """The loss a module trained with; ``none`` trains nothing."""
+    return "–" if entry.module == "none" else str(entry.loss)
 
 
 def _number(value: float | None, form: str = ".3f") -> str:
@@ -302,6 +395,8 @@ def candidate_label(candidate: Mapping[str, Any], others: list[Mapping[str, Any]
         if len({str(c[key]) for c in others}) > 1
     ]
     extra = "".join(f", {key} {candidate[key]}" for key in varying)
+    if candidate["module"] == "none":
+        return "none (the merge as it is)"
     return f"{candidate['module']} + {candidate['loss']}{extra}"
 
 
