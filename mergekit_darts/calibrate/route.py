@@ -38,7 +38,7 @@ from mergekit_darts.core.router import NONE_CLASS, Router
 from mergekit_darts.errors import SurgeryRunError
 
 FITTED_ON = "prompts not held out"  # the manifest's word on which prompts the saved gate saw
-ROWS_PER_STEP = 8  # held-out prompts measured per step
+CHUNK = 4096  # rows per step of the standardisation
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,11 @@ def _logistic_regression(
     )
     mean = weights @ x  # class-balanced: each class's mean weighs 1 / K'
     x -= mean
-    scale = (weights @ (x * x)).sqrt()
+    scale = torch.zeros_like(mean)
+    for start in range(0, x.shape[0], CHUNK):  # no second [N, H] temporary
+        part = slice(start, start + CHUNK)
+        scale += weights[part] @ x[part].square()
+    scale = scale.sqrt()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant features stay 0
     x /= scale
     v = torch.zeros(k, x.shape[1], device=x.device, requires_grad=True)
