@@ -15,6 +15,7 @@ The position rule and the cut are the exported model's own (``deploy/modeling_da
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -46,8 +47,8 @@ class SurgeryHandle:
         self.hidden_size = hidden_size
         self._module = module
         self._forward_names = positional_names(type(model).forward)
-        self._positions: torch.Tensor | None = None
-        self._logits_to_keep: int | torch.Tensor = 0
+        # per thread: threads sharing the model must not see each other's positions
+        self._call = threading.local()
         self._handles = [
             model.register_forward_pre_hook(self._read_positions, with_kwargs=True),
             head.register_forward_pre_hook(self._correct),
@@ -68,16 +69,17 @@ class SurgeryHandle:
 
     def _read_positions(self, _model: nn.Module, args: tuple, kwargs: dict) -> None:
         arguments = {**dict(zip(self._forward_names, args, strict=False)), **kwargs}
-        self._positions = call_positions(arguments)
-        self._logits_to_keep = arguments.get("logits_to_keep", 0)
+        self._call.positions = call_positions(arguments)
+        self._call.logits_to_keep = arguments.get("logits_to_keep", 0)
 
     def _correct(self, _head: nn.Module, args: tuple) -> tuple | None:
         if self._module is None:
             return None
-        if self._positions is None:
+        positions = getattr(self._call, "positions", None)
+        if positions is None:
             raise RuntimeError("surgery could not find the token positions of this forward call")
         h = args[0]
-        positions = head_positions(self._positions, self._logits_to_keep, h)
+        positions = head_positions(positions, self._call.logits_to_keep, h)
         module = self._module
         weight = next(module.parameters(), None)  # None: the `none` module, nothing to move
         if weight is not None and weight.device != h.device:  # accelerate may put the head

@@ -7,7 +7,14 @@ import json
 import pytest
 import yaml
 
-from mergekit_darts.demo.configs import HEADLINE, METHODS, VARIANTS, fixed_variant, merge_config
+from mergekit_darts.demo.configs import (
+    HEADLINE,
+    METHODS,
+    ROUTED_LABEL,
+    VARIANTS,
+    fixed_variant,
+    merge_config,
+)
 from mergekit_darts.demo.domains import DOMAIN_NAMES
 from mergekit_darts.demo.run import DemoSettings, run_demo
 
@@ -26,20 +33,26 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
         *(f"Expert: {d}" for d in DOMAIN_NAMES),
         "None (merged)",
         *(v.label for v in HEADLINE),
+        ROUTED_LABEL,
     ]
     assert [row["kind"] for row in results["rows"]] == [
         "base",
         *["expert"] * len(DOMAIN_NAMES),
         "none",
-        *["surgery"] * len(HEADLINE),
+        *["surgery"] * (len(HEADLINE) + 1),
     ]
     for row in results["rows"]:
         assert set(row["scores"]) == set(DOMAIN_NAMES)
         assert all(0 <= s <= 100 for s in row["scores"].values())
         assert row["n_items"] == {d: 3 for d in DOMAIN_NAMES}
-    surgery_rows = results["rows"][-len(HEADLINE) :]
-    assert all(set(row["rho_l1"]) == set(DOMAIN_NAMES) for row in surgery_rows)
+    surgery_rows = results["rows"][-len(HEADLINE) - 1 :]
+    assert all(set(row["rho_l1"]) == set(DOMAIN_NAMES) for row in surgery_rows[:-1])
     assert all(len(row["delta_vs_none"]["ci95"]) == 2 for row in surgery_rows)
+    router = surgery_rows[-1]["router_held_out"]
+    assert 0 <= router["token_accuracy"] <= 1 and 0 <= router["sequence_accuracy"] <= 1
+    shift = results["generic_text_shift"]["task_arithmetic"]
+    assert set(shift) == {"prompts", "tokens", "routed", *DOMAIN_NAMES}
+    assert all(shift[k]["kl"] >= 0 for k in ("routed", *DOMAIN_NAMES))
     pins = results["settings"]["pins"]
     assert pins["torch_threads"] == 1 and pins["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
     assert {"torch", "transformers", "lm_eval", "mergekit"} <= set(results["settings"]["versions"])
@@ -58,6 +71,9 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
         for domain in DOMAIN_NAMES:
             selection = manifest["tasks"][domain + variant.suffix]["selection"]
             chosen = selection["candidates"][selection["chosen"]]
+            if chosen["module"] == "none":  # the merge as it is: a file without tensors
+                assert manifest["tasks"][domain + variant.suffix]["module"] == "none"
+                continue
             fixed = fixed_variant(chosen, variant.continuation_tokens)
             if fixed not in HEADLINE:  # pos_corr + L1 is a row only with --full
                 continue
@@ -98,8 +114,14 @@ def test_examples_demo_match_what_the_driver_writes(monkeypatch):
     monkeypatch.chdir(repo)  # `make demo` runs from the repository root
     family = _family_paths((repo / "runs/demo/family").resolve())
     calib = {d: family.calib_file(d) for d in DOMAIN_NAMES}
+    background = repo / "runs/demo/data/generic_background.jsonl"
     for method in METHODS:
         expected = merge_config(
-            method, family.base, family.experts, calib, cache_dir=repo / "runs/demo/captures"
+            method,
+            family.base,
+            family.experts,
+            calib,
+            cache_dir=repo / "runs/demo/captures",
+            background=background,
         )
         assert yaml.safe_load((repo / f"examples/demo/{method}.yml").read_text()) == expected

@@ -147,3 +147,27 @@ def test_rho_from_deltas_matches_reference_for_torch_and_numpy():
         expected
     )
     assert metrics.rho_from_deltas(before * 0, after, mask) is None
+
+
+def test_masked_minus_inf_logits_are_probability_zero_not_nan():
+    """Entropy and KL with -inf logits against a float64 sum over the finite tokens only."""
+    from mergekit_darts.core.metrics import token_entropy, token_kl
+
+    logits = torch.tensor([[1.0, -math.inf, 0.5, 2.0], [0.0, 0.0, -math.inf, -math.inf]])
+    pred = torch.tensor([[0.5, 0.1, -1.0, 1.0], [1.0, -math.inf, 0.0, 0.3]])
+    for row in range(2):
+        finite = [x for x in logits[row].tolist() if x != -math.inf]
+        z = math.log(sum(math.exp(x) for x in finite))
+        expected = -sum(math.exp(x - z) * (x - z) for x in finite)
+        assert token_entropy(logits)[row].item() == pytest.approx(expected, abs=1e-6)
+    kl = token_kl(logits, pred)
+    p = [
+        math.exp(x - math.log(sum(math.exp(y) for y in logits[0].tolist())))
+        for x in logits[0].tolist()
+    ]
+    zq = math.log(sum(math.exp(y) for y in pred[0].tolist()))
+    expected = sum(
+        pi * (math.log(pi) - (q - zq)) for pi, q in zip(p, pred[0].tolist(), strict=True) if pi > 0
+    )
+    assert kl[0].item() == pytest.approx(expected, abs=1e-6)
+    assert kl[1].item() == math.inf  # the target allows token 1, the prediction rules it out

@@ -8,16 +8,26 @@ import torch
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (natural log) of ``softmax(logits)`` over the last axis, computed in float32."""
+    """Entropy (natural log) of ``softmax(logits)`` over the last axis, computed in float32.
+
+    A ``-inf`` logit (a masked token: some heads set them) is a token of probability 0 and adds
+    nothing (0 log 0 = 0), instead of the NaN of ``0 * -inf``.
+    """
     log_p = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    return -(log_p.exp() * log_p).sum(-1)
+    p = log_p.exp()
+    return -torch.where(p > 0, p * log_p, 0.0).sum(-1)
 
 
 def token_kl(target_logits: torch.Tensor, pred_logits: torch.Tensor) -> torch.Tensor:
-    """``KL(softmax(target) || softmax(pred))`` per position over the last axis, in float32."""
+    """``KL(softmax(target) || softmax(pred))`` per position over the last axis, in float32.
+
+    Tokens the target gives probability 0 (``-inf`` logits) add nothing; a token the target
+    allows and the prediction rules out makes it ``inf``, as it should.
+    """
     log_p = torch.log_softmax(target_logits.to(torch.float32), -1)
     log_q = torch.log_softmax(pred_logits.to(torch.float32), -1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1)
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
 
 
 def delta(h_a: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """The demo's merge YAMLs: four mergekit methods, each with one `surgery:` block.
 
 One block holds every surgery variant the table compares, as separate tasks with overrides
-(`code` = DARTS, `code_std` = Standard + L1, `_select` = the best of Standard + L1, pos_corr + L1
-and DARTS by held-out agreement; with `--full` also `code_pos_l1` = pos_corr + L1 and `_cont` =
-calibrated on the target's own completions), so a single stock `mergekit-yaml` run per method
-produces all of them.
+(`code` = DARTS, `code_std` = Standard + L1, `_select` = the best of no correction, Standard + L1,
+pos_corr + L1 and DARTS by held-out agreement; with `--full` also `code_pos_l1` = pos_corr + L1
+and `_cont` = calibrated on the target's own completions), plus a `route:` over the three DARTS
+tasks (generic text as background), so a single stock `mergekit-yaml` run per method produces
+all of them.
 Paths are written relative to the working directory, the way mergekit resolves `model:`.
 """
 
@@ -47,18 +48,26 @@ CONTINUATION_TOKENS = 32
 STANDARD_L1 = {"module": "standard", "loss": "l1"}
 POS_CORR_L1 = {"module": "pos_corr", "loss": "l1"}
 DARTS = {"module": "pos_corr", "loss": "ewl1"}
-# the fixed variants above each `select` row, as its candidates: they train on the same captures
-SELECT = {"candidates": [STANDARD_L1, POS_CORR_L1, DARTS], "holdout": 0.2, "metric": "agreement"}
-# the headline rows (paper Table 1 plus `select`); `select` has no `none` candidate yet
+NO_CORRECTION = {"module": "none"}
+# the merge as it is, then the fixed variants above each `select` row, as its candidates: they
+# train on the same captures. `none` first: a tie keeps the merge as it is.
+SELECT = {
+    "candidates": [NO_CORRECTION, STANDARD_L1, POS_CORR_L1, DARTS],
+    "holdout": 0.2,
+    "metric": "agreement",
+}
+# the headline rows (paper Table 1 plus `select`; the routed row is added per merge by run.py)
 HEADLINE: tuple[Variant, ...] = (
     Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1),
     Variant("DARTS (pos_corr + EWL1)", "", {}),
     Variant(
-        "select (Standard + L1, pos_corr + L1, DARTS; held-out agreement)",
+        "select (none, Standard + L1, pos_corr + L1, DARTS; held-out agreement)",
         "_select",
         {"select": SELECT},
     ),
 )
+ROUTED_LABEL = "routed DARTS (no task id)"
+BACKGROUND_SAMPLES = 50  # generic prompts the router learns to leave uncorrected
 # `--full`: the ablations (paper Table 10) and generation-aware calibration
 ABLATIONS: tuple[Variant, ...] = (
     Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", POS_CORR_L1),
@@ -76,7 +85,12 @@ def variants(full: bool) -> tuple[Variant, ...]:
 
 
 def fixed_variant(candidate: dict[str, Any], continuation_tokens: int) -> Variant:
-    """The fixed variant a select candidate trains exactly like (same settings, same captures)."""
+    """The fixed variant a select candidate trains exactly like (same settings, same captures).
+
+    The `none` candidate is no variant: it is the merge's own row.
+    """
+    if candidate["module"] == NO_CORRECTION["module"]:
+        raise ValueError("the `none` candidate is the no-surgery row, not a variant")
     for variant in VARIANTS:
         settings = {**DARTS, **variant.overrides}
         same = all(settings.get(k) == candidate[k] for k in ("module", "loss"))
@@ -106,11 +120,13 @@ def merge_config(
     steps: int = 500,
     cache_dir: Path | None = None,
     rows: tuple[Variant, ...] = HEADLINE,
+    background: Path | None = None,
 ) -> dict[str, Any]:
     """The full merge YAML (as a dict) of one method, surgery block included.
 
     With ``cache_dir`` the four merges share one capture store: each expert is captured once for
-    the whole demo, and a re-run (or ``examples/sweep.yml`` after it) loads no expert.
+    the whole demo, and a re-run (or ``examples/sweep.yml`` after it) loads no expert. With
+    ``background`` (generic prompts, `prompt` field) the block routes over the DARTS tasks.
     """
     parameters, uses_base = METHODS[method]
     config: dict[str, Any] = {"merge_method": method}
@@ -123,6 +139,16 @@ def merge_config(
     config["surgery"] = {"steps": steps}
     if cache_dir is not None:
         config["surgery"]["cache_dir"] = _rel(cache_dir)
+    if background is not None:
+        config["surgery"]["route"] = {
+            "tasks": [surgery_task(d) for d in DOMAIN_NAMES],
+            "holdout": 0.2,
+            "background": {
+                "path": _rel(background),
+                "field": "prompt",
+                "num_samples": BACKGROUND_SAMPLES,
+            },
+        }
     config["surgery"]["tasks"] = _surgery_tasks(experts, calib_files, rows)
     return config
 

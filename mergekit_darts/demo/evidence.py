@@ -47,6 +47,7 @@ def collect(method: str, manifest: Manifest, scores: Mapping[str, dict]) -> list
             entry = manifest.tasks[surgery_task(domain) + variant.suffix]
             held, selection = entry.held_out, entry.selection
             before = held["all"]
+            chosen = selection["candidates"][selection["chosen"]]
             points.append(
                 Point(
                     method,
@@ -60,9 +61,12 @@ def collect(method: str, manifest: Manifest, scores: Mapping[str, dict]) -> list
                         "rho_l1": 0.0,
                         "completion_agreement": held.get("completion", {}).get("agreement_before"),
                     },
+                    chosen=chosen["module"] == "none",
                 )
             )
             for index, candidate in enumerate(selection["candidates"]):
+                if candidate["module"] == "none":  # the point above: the merge as it is
+                    continue
                 fixed = fixed_variant(candidate, variant.continuation_tokens)
                 numbers = candidate["held_out"]
                 points.append(

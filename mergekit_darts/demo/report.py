@@ -31,6 +31,7 @@ class Row:
     evaluation: Evaluation
     domain: str | None = None  # the expert's own domain
     rho: dict[str, float] = field(default_factory=dict)
+    router: dict[str, float] | None = None  # routed rows: the router's held-out accuracy
     delta_vs_none: dict[str, Any] | None = None
 
     @property
@@ -50,6 +51,8 @@ class Row:
         out["n_items"] = self.evaluation.n_items
         if self.rho:
             out["rho_l1"] = self.rho
+        if self.router is not None:
+            out["router_held_out"] = self.router
         if self.delta_vs_none is not None:
             out["delta_vs_none"] = self.delta_vs_none
         return out
@@ -82,13 +85,18 @@ def significant(delta: dict[str, Any]) -> bool:
 
 def markdown_table(rows: Sequence[Row]) -> str:
     """Exact match % per domain, average, Δ vs no surgery [95 % CI], mean ρ_L1."""
-    head = ["Merge", "Surgery", *DOMAIN_NAMES, "Avg.", "Δ vs none [95% CI]", "mean ρ_L1"]
+    head = ["Merge", "Surgery", *DOMAIN_NAMES, "Avg.", "Δ vs none [95% CI]", "mean ρ_L1 / router"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     group = None
     for row in rows:
         shown = row.group if row.group != group else ""
         group = row.group
         rho = f"{sum(row.rho.values()) / len(row.rho):.3f}" if row.rho else ""
+        if row.router is not None:  # the router's held-out accuracy, tokens / prompts
+            rho = (
+                f"router {100 * row.router['token_accuracy']:.0f} % tok / "
+                f"{100 * row.router['sequence_accuracy']:.0f} % prompts"
+            )
         delta = ""
         if row.delta_vs_none is not None:
             low, high = row.delta_vs_none["ci95"]
@@ -104,6 +112,20 @@ def markdown_table(rows: Sequence[Row]) -> str:
             rho,
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def shift_table(shifts: dict[str, dict[str, Any]]) -> str:
+    """Generic text (none of the tasks): mean KL(plain || corrected) per token and top-1 changes,
+    under the routed model and under each single DARTS module, per merge."""
+    if not shifts:
+        return ""
+    names = [k for k in next(iter(shifts.values())) if k not in ("prompts", "tokens")]
+    head = ["Merge (generic text)", *(f"{n}: KL / top-1 changed" for n in names)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for merge, shift in shifts.items():
+        cells = [f"{shift[n]['kl']:.4f} / {shift[n]['top1_changed']:.1f} %" for n in names]
+        lines.append("| " + " | ".join([merge, *cells]) + " |")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.demo.configs import (
+    ROUTED_LABEL,
     lm_eval_task,
     merge_config,
     surgery_task,
@@ -31,6 +32,7 @@ from mergekit_darts.demo.evaluation import DemoSettings, digest, evaluate
 from mergekit_darts.demo.evidence import NONE_LABEL, Point, collect, selection_outcomes
 from mergekit_darts.demo.evidence import markdown as evidence_markdown
 from mergekit_darts.demo.family import FamilyPaths, build_family
+from mergekit_darts.demo.generic import logit_shift, write_generic_prompts
 from mergekit_darts.demo.pinning import apply_in_process, pinned_env
 from mergekit_darts.demo.report import (
     BOOTSTRAP_SAMPLES,
@@ -40,6 +42,7 @@ from mergekit_darts.demo.report import (
     add_deltas,
     markdown_table,
     regime,
+    shift_table,
     summary,
 )
 from mergekit_darts.manifest import surgery_dir
@@ -89,9 +92,11 @@ def _stamp(family: FamilyPaths) -> str:
 
 def merged_rows(
     settings: DemoSettings, family: FamilyPaths, method: str
-) -> tuple[list[Row], list[Point]]:
-    """No surgery, then each surgery variant, on one merge; with the held-out evidence (full)."""
+) -> tuple[list[Row], list[Point], dict[str, Any]]:
+    """No surgery, each surgery variant and the routed DARTS modules, on one merge; the logit
+    shift on generic text; the held-out evidence (full)."""
     calib = {d: family.calib_file(d) for d in DOMAIN_NAMES}
+    background, measured = write_generic_prompts(settings.out / "data", settings.seed)
     shown = variants(settings.full)
     config = merge_config(
         method,
@@ -101,6 +106,7 @@ def merged_rows(
         steps=settings.steps,
         cache_dir=settings.out / "captures",
         rows=shown,
+        background=background,
     )
     config_path = write_config(config, settings.out / "configs" / f"{method}.yml")
     merged = merge_with_surgery(
@@ -118,9 +124,14 @@ def merged_rows(
         evaluation = evaluate(settings, family, "hf-darts", args, key)
         rho = {d: manifest.tasks[names[d]].metrics["rho_l1"] for d in DOMAIN_NAMES}
         rows.append(Row(method, variant.label, "surgery", evaluation, rho=rho))
+    routed = evaluate(settings, family, "hf-darts", base_args + ",surgery=routed", key)
+    router = manifest.router.held_out
+    accuracy = {k: router[k] for k in ("token_accuracy", "sequence_accuracy")}
+    rows.append(Row(method, ROUTED_LABEL, "surgery", routed, router=accuracy))
+    shift = logit_shift(merged, measured, [surgery_task(d) for d in DOMAIN_NAMES])
     if not settings.full:
-        return rows, []
-    return rows, collect(method, manifest, {row.label: row.scores for row in rows})
+        return rows, [], shift
+    return rows, collect(method, manifest, {row.label: row.scores for row in rows}), shift
 
 
 def bias_figures(settings: DemoSettings, method: str) -> list[Path]:
@@ -172,14 +183,15 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     console.rule("2/3 individual models")
     rows = individual_rows(settings, family)
     points: list[Point] = []
+    shifts: dict[str, Any] = {}
     for i, method in enumerate(settings.methods, 1):
         console.rule(f"3/3 merge {i}/{len(settings.methods)}: {method} + surgery, evaluation")
-        merged, evidence = merged_rows(settings, family, method)
+        merged, evidence, shifts[method] = merged_rows(settings, family, method)
         rows += merged
         points += evidence
     add_deltas(rows)
     figures = bias_figures(settings, settings.methods[0])
-    table = markdown_table(rows)
+    table = markdown_table(rows) + "\n\n" + shift_table(shifts)
     regime_numbers = regime(rows)
     results: dict[str, Any] = {
         "settings": {
@@ -190,6 +202,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         },
         "rows": [row.record() for row in rows],
         "regime": regime_numbers,
+        "generic_text_shift": shifts,
         "figures": [str(p) for p in figures],
     }
     if settings.full:
