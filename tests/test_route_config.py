@@ -93,6 +93,11 @@ BAD_ROUTE = [
         "surgery.route.background: ",
     ),
     (
+        "background in a chat template the merge lacks",
+        route(background=lambda files: {"path": str(files / "bg.jsonl"), "chat_template": True}),
+        "surgery.route.background.chat_template: the base model",
+    ),
+    (
         "holdout leaving a task no prompt",
         few_prompts,
         "surgery.route.holdout: 0.2 of the 1 prompt(s) of task 'code' holds out 1",

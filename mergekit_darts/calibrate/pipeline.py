@@ -124,6 +124,7 @@ def prepare_surgery(
         check_vocab=check_vocab,
         target_vocab=config.target_vocab,
         chat_template_set=chat_template_set,
+        background=background,
     )
     prompts = {task.name: load_prompts(task) for task in tasks}
     for task in tasks:

@@ -128,6 +128,7 @@ def check_targets(
     check_vocab: bool = True,
     target_vocab: str = "exact",
     chat_template_set: bool = False,
+    background: CalibrationConfig | None = None,
 ) -> dict[str, str]:
     """Check each target against ``reference`` (the base before merging, the merge after).
 
@@ -135,7 +136,8 @@ def check_targets(
     task's rank may exceed their hidden size. With ``check_vocab`` (``reference``'s tokenizer is
     the one calibration will use) the vocabularies are compared too (:func:`_check_vocab`):
     calibration feeds one sequence of token ids to both; and ``chat_template: true`` needs a
-    chat template in that tokenizer, unless ``chat_template_set`` (the merge sets its own).
+    chat template in that tokenizer, unless ``chat_template_set`` (the merge sets its own); so
+    does route's ``background`` with ``chat_template: true``.
     """
     ref_shape = model_shape(reference, reference_label, trust_remote_code=trust_remote_code)
     if ref_shape.not_causal:
@@ -166,8 +168,17 @@ def check_targets(
                 target_vocab,
             )
             if task.calibration.chat_template and not chat_template_set:
-                _check_chat_template(task, ref_tokenizer, reference_label)
+                key = f"{task.key}.calibration.chat_template"
+                _check_chat_template(key, ref_tokenizer, reference_label)
         located[task.name] = where
+    if (
+        check_vocab
+        and background is not None
+        and background.chat_template
+        and not chat_template_set
+    ):
+        key = "surgery.route.background.chat_template"
+        _check_chat_template(key, ref_tokenizer, reference_label)
     return located
 
 
@@ -193,14 +204,12 @@ def _check_rank(task: ResolvedTask, hidden_size: int | None, reference_label: st
         )
 
 
-def _check_chat_template(
-    task: ResolvedTask, tokenizer: _TokenizerFacts | None, reference_label: str
-) -> None:
+def _check_chat_template(key: str, tokenizer: _TokenizerFacts | None, reference_label: str) -> None:
     if tokenizer is not None and tokenizer.chat_template:
         return
     has = "has no chat template" if tokenizer is not None else "has no tokenizer"
     raise SurgeryConfigError(
-        f"{task.key}.calibration.chat_template: the {reference_label} {has}, and calibration "
+        f"{key}: the {reference_label} {has}, and calibration "
         "uses the tokenizer it gives the merge; set the merge's `chat_template:` (e.g. chatml) "
         "or remove this key"
     )

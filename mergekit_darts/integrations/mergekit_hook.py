@@ -208,6 +208,7 @@ def finish_merge_surgery(prepared: PreparedSurgery, out_path: str, options: Any)
         f"merged model {out_path}",
         trust_remote_code=prepared.config.trust_remote_code,
         target_vocab=prepared.config.target_vocab,
+        background=prepared.config.route and prepared.config.route.background,
     )
     run_prepared(
         out_path,
