@@ -76,17 +76,22 @@ def fit_router(
     tasks = names[:-1] if background else names
     hidden_size = classes[0].merged.hidden.shape[-1]
     splits = [holdout_split(c.counted.shape[0], holdout, seed) for c in classes]
-    rows = [
-        _rows(c, in_rows(c.counted, train), device)
-        for c, (train, _) in zip(classes, splits, strict=True)
-    ]
-    for c, x in zip(classes, rows, strict=True):
-        if x.shape[0] == 0:
+    masks = [in_rows(c.counted, train) for c, (train, _) in zip(classes, splits, strict=True)]
+    counts = [int(mask.sum()) for mask in masks]
+    for c, count in zip(classes, counts, strict=True):
+        if count == 0:
             raise SurgeryRunError(
                 f"surgery route: class {c.name!r} has no counted token on its prompts not held "
                 "out, so the router has nothing to learn it from; give it more prompts"
             )
-    weight, bias, fit = _logistic_regression(rows, l2=l2, steps=steps)
+    # one [N, H] float32 tensor, filled class by class (no second copy from a concatenation)
+    x = torch.empty(sum(counts), hidden_size, device=device, dtype=torch.float32)
+    start = 0
+    for c, mask, count in zip(classes, masks, counts, strict=True):
+        x[start : start + count] = c.merged.hidden[mask.to(c.merged.hidden.device)].to(device)
+        start += count
+    weight, bias, fit = _logistic_regression(x, counts, l2=l2, steps=steps)
+    del x
     router = Router(hidden_size, tasks, background)
     with torch.no_grad():
         router.weight.copy_(weight.cpu())
@@ -108,7 +113,7 @@ def fit_router(
             "steps": steps,
             "seed": seed,
             **fit,
-            "tokens": {c.name: int(x.shape[0]) for c, x in zip(classes, rows, strict=True)},
+            "tokens": {c.name: n for c, n in zip(classes, counts, strict=True)},
             "prompts": {
                 c.name: int(train.numel()) for c, (train, _) in zip(classes, splits, strict=True)
             },
@@ -118,22 +123,15 @@ def fit_router(
     return FittedRouter(router, entry)
 
 
-def _rows(c: RouteClass, mask: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """The class's hidden states at ``mask`` [N, T] as float32 rows [P, H] on ``device``."""
-    return c.merged.hidden[mask.to(c.merged.hidden.device)].to(device=device, dtype=torch.float32)
-
-
 def _logistic_regression(
-    rows: Sequence[torch.Tensor], *, l2: float, steps: int
+    x: torch.Tensor, counts: Sequence[int], *, l2: float, steps: int
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """``W`` [K', H], ``b`` [K'] of a class-balanced, L2-regularised multinomial logistic
-    regression of rows (one [P_k, H] tensor per class), standardisation folded in."""
-    k = len(rows)
-    x = torch.cat(list(rows))
-    labels = torch.cat([torch.full((r.shape[0],), i, device=x.device) for i, r in enumerate(rows)])
-    weights = torch.cat(
-        [torch.full((r.shape[0],), 1.0 / (k * r.shape[0]), device=x.device) for r in rows]
-    )
+    regression of the rows ``x`` [N, H] (``counts[k]`` rows of class k, in class order),
+    standardisation folded in. ``x`` is standardised in place."""
+    k = len(counts)
+    labels = torch.cat([torch.full((n,), i, device=x.device) for i, n in enumerate(counts)])
+    weights = torch.cat([torch.full((n,), 1.0 / (k * n), device=x.device) for n in counts])
     mean = weights @ x  # class-balanced: each class's mean weighs 1 / K'
     x -= mean
     scale = torch.zeros_like(mean)
