@@ -44,6 +44,7 @@ from mergekit_darts.artifacts import load_routed
 from mergekit_darts.cli import main
 from mergekit_darts.deploy.export import export
 from mergekit_darts.deploy.modeling_darts import darts_section, weights_fingerprint
+from mergekit_darts.identity import weights_identity
 
 # background on / off; one task of kind none in each, the others covering every module kind
 KINDS = {
@@ -349,9 +350,11 @@ def damaged(merged: Path, folder: Path, change: Any) -> Path:
     return folder
 
 
-def test_refusals_leave_dest_untouched(routed: Any, tmp_path: Path) -> None:
+def test_refusals_leave_dest_untouched(routed: Any, tiny_family: Any, tmp_path: Path) -> None:
     merged, _, background = routed
     sources = tmp_path / "sources"
+    other = weights_identity(tiny_family.base)  # calibrated on other weights than the merge's
+    remerged = damaged(merged, sources / "e", lambda m: m.__setitem__("merged_identity", other))
     no_router = damaged(merged, sources / "a", lambda m: m.pop("router"))
     ghost = damaged(merged, sources / "b", lambda m: m["router"]["tasks"].__setitem__(0, "ghost"))
     missing = Path(shutil.copytree(merged, sources / "c"))
@@ -373,6 +376,7 @@ def test_refusals_leave_dest_untouched(routed: Any, tmp_path: Path) -> None:
     assert "weighs task(s) ghost" in message and "re-run `mergekit-darts calibrate`" in message
     assert "router over" in fail(str(missing), "--routed", new)
     assert "missing or unreadable" in fail(str(gone), "--routed", new)
+    assert "was calibrated on other weights" in fail(str(remerged), "--routed", new)
     assert "is not empty" in fail(str(merged), "--routed", str(full))
     assert "either --task NAME, --all or --routed" in fail(
         str(merged), "--routed", "--task", "math", new
