@@ -273,11 +273,24 @@ def test_routed_folder_layout(routed: Any) -> None:
     assert ("needs none" in card) == background
 
 
-def test_routed_from_config_is_the_identity(routed: Any, batch: dict[str, torch.Tensor]) -> None:
+def test_routed_from_config_is_the_identity(routed: Any) -> None:
     _, dest, _ = routed
     config = AutoConfig.from_pretrained(dest, trust_remote_code=True)
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
     assert all(not p.any() for p in model.darts_surgery.parameters())
+
+
+def test_routed_save_pretrained_round_trip(
+    routed: Any, batch: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    _, dest, _ = routed
+    model = load(dest)
+    model.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    original = json.loads((dest / "config.json").read_text())
+    assert config["darts"] == {k: v for k, v in original["darts"].items() if k != "weights"}
+    with torch.no_grad():
+        assert torch.equal(load(tmp_path / "saved")(**batch).logits, model(**batch).logits)
 
 
 # ---- the none module ------------------------------------------------------------------------------
