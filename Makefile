@@ -68,7 +68,7 @@ install-vllm: $(STAMP_VLLM)
 
 ## The vLLM plugin's tests (tests_vllm/), in .venv-vllm; then, since that venv holds the lowest
 ## transformers pyproject.toml allows (5.19), the main tests that lean on transformers the most.
-LOWER_BOUND_TESTS := tests/test_apply_generate.py tests/test_hf_darts.py tests/test_export.py
+LOWER_BOUND_TESTS := tests/test_apply_generate.py tests/test_hf_darts.py tests/test_export.py tests/test_export_routed.py tests/test_router.py
 test-vllm: install-vllm
 	$(BIN_VLLM)/python -m pytest -q tests_vllm; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN_VLLM)/python -m pytest -q $(LOWER_BOUND_TESTS)

@@ -75,6 +75,42 @@ def test_darts_config_is_the_base_config_plus_the_darts_section() -> None:
         AutoModelForCausalLM.from_config(config)
 
 
+ROUTED = {
+    "module": "routed",
+    "routed": {
+        "tasks": [
+            {"name": "math", "module": "pos_corr", "rank": 4, "max_positions": 12},
+            {"name": "chat", "module": "none", "rank": 16, "max_positions": 512},
+        ],
+        "background": True,
+    },
+}
+
+
+def test_a_routed_and_a_none_config_read_as_a_single_one_does() -> None:
+    config = exported_config()
+    for key in ("task", "module", "rank", "max_positions"):
+        del config["darts"][key]
+    config["darts"].update(copy.deepcopy(ROUTED))
+    loaded = DartsConfig.from_dict(config)
+    assert type(loaded).__name__ == "DartsLlamaConfig" and loaded.darts == config["darts"]
+    again = pickle.loads(pickle.dumps(loaded))
+    assert again.to_dict() == loaded.to_dict()
+    surgery = modeling_darts.surgery_for(loaded)
+    assert type(surgery).__name__ == "DartsRoutedSurgery"
+    assert sorted(surgery.state_dict()) == [
+        "corrections.0.down.weight",
+        "corrections.0.position_bias",
+        "corrections.0.up.weight",
+        "router.bias",
+        "router.weight",
+    ]
+    assert surgery.router.weight.shape == (3, 64)  # two tasks and the background class
+    none = exported_config()
+    none["darts"]["module"] = "none"
+    assert dict(modeling_darts.surgery_for(DartsConfig.from_dict(none)).state_dict()) == {}
+
+
 BAD_SECTIONS = [
     ({"format": "other"}, "no 'darts-export' section"),
     ({"version": 2}, "version 2"),

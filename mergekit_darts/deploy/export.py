@@ -1,4 +1,5 @@
-"""``mergekit-darts export``: a merged folder + one surgery task -> a Hugging Face model folder.
+"""``mergekit-darts export``: a merged folder + one surgery task (or, with ``--routed``, every
+routed task's module and the router) -> a Hugging Face model folder.
 
 The result loads with ``AutoModelForCausalLM.from_pretrained(DEST, trust_remote_code=True)``
 where mergekit-darts is not installed: ``config.json`` gets a model_type of its own (``darts``, so
@@ -31,6 +32,7 @@ from safetensors.torch import save
 
 from mergekit_darts.artifacts import (
     check_calibrated_on,
+    load_routed,
     load_surgery,
     read_manifest,
     resolve_task,
@@ -48,6 +50,7 @@ from mergekit_darts.fs import staged_folder
 from mergekit_darts.identity import WEIGHT_SUFFIXES
 from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS
 from mergekit_darts.manifest import RECIPE, surgery_dir
+from mergekit_darts.routing import ROUTED
 
 MODELING_FILE = Path(modeling_darts.__file__)
 INDEX = "model.safetensors.index.json"
@@ -64,24 +67,32 @@ def export(
     task: str | None = None,
     *,
     all_tasks: bool = False,
+    routed: bool = False,
     link: str = "symlink",
 ) -> list[Path]:
-    """Export ``task`` (or with ``all_tasks`` every task, as ``DEST/<task>/``) of the merged folder
-    ``out_path``; returns the folders written."""
-    if all_tasks == (task is not None):
-        raise ExportError("pass either --task NAME or --all")
+    """Export ``task`` (or with ``all_tasks`` every task, as ``DEST/<task>/``; or with ``routed``
+    every routed task's module and the router, in one folder) of the merged folder ``out_path``;
+    returns the folders written."""
+    if (task is not None) + all_tasks + routed != 1:
+        raise ExportError("pass either --task NAME, --all or --routed")
     if link not in LINKS:
         raise ExportError(f"unknown --link {link!r}; choose one of {', '.join(LINKS)}")
     out, dest = Path(out_path), Path(os.path.abspath(dest))  # abspath: "." and "x/" have names
     source = _Source.read(out)
-    if all_tasks:
+    if routed:
+        _check_router(source)
+        tasks = [ROUTED]
+    elif all_tasks:
         tasks = list(source.manifest.tasks)
     else:
         tasks = [resolve_task(source.manifest, task, source.surgery)]
     _check_dest(dest)
     if link == "hardlink":
         _check_same_filesystem(source, dest)
-    modules = {name: load_surgery(source.surgery, name) for name in tasks}
+    if routed:
+        modules: dict[str, Any] = {ROUTED: load_routed(source.surgery, weights=out)}
+    else:
+        modules = {name: load_surgery(source.surgery, name) for name in tasks}
 
     try:
         with staged_folder(dest, replace=False) as staging:
@@ -93,6 +104,24 @@ def export(
     except OSError as err:  # the staging folder is gone: DEST is as it was
         raise ExportError(_write_failed(dest, err)) from err
     return [dest / name for name in tasks] if all_tasks else [dest]
+
+
+def _check_router(source: _Source) -> None:
+    """A ``--routed`` export needs the router ``route:`` fits, over tasks the folder holds."""
+    router = source.manifest.router
+    if router is None:
+        raise ExportError(
+            f"{source.surgery} has no router, so --routed cannot export it: add `route:` to the "
+            "surgery block (two or more tasks) and re-run `mergekit-darts calibrate`, or export "
+            "one task with --task"
+        )
+    missing = [name for name in router.tasks if name not in source.manifest.tasks]
+    if missing:
+        raise ExportError(
+            f"{source.surgery}'s router weighs task(s) {', '.join(missing)} that its manifest "
+            f"does not hold (it has {', '.join(source.manifest.tasks)}): re-run "
+            "`mergekit-darts calibrate`"
+        )
 
 
 def _write_failed(dest: Path, err: OSError) -> str:
@@ -242,23 +271,40 @@ def _write_folder(
     tensors = {
         PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()
     }
-    # bytes through a plain write: safetensors' save_file would make the file 0600
-    (folder / SURGERY_FILE).write_bytes(save(tensors, metadata={"format": "pt"}))
     weight_map = {name: renamed.get(file, file) for name, file in source.weight_map.items()}
-    weight_map |= dict.fromkeys(sorted(tensors), SURGERY_FILE)
+    if tensors:  # a `none` module has no tensors: no surgery file, the index lists the merge's
+        # bytes through a plain write: safetensors' save_file would make the file 0600
+        (folder / SURGERY_FILE).write_bytes(save(tensors, metadata={"format": "pt"}))
+        weight_map |= dict.fromkeys(sorted(tensors), SURGERY_FILE)
     total = sum(sum(_tensor_bytes(folder / f).values()) for f in sorted(set(weight_map.values())))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    entry = source.manifest.tasks[task]
-    config = export_config(
-        source.config,
-        task=task,
-        module=entry.module,
-        rank=entry.rank,
-        max_positions=entry.max_positions,
-        hidden_size=source.manifest.hidden_size,
-        weights={renamed.get(s, s): source.fingerprints[s] for s in source.shards()},
-    )
+    weights = {renamed.get(s, s): source.fingerprints[s] for s in source.shards()}
+    hidden_size = source.manifest.hidden_size
+    if task == ROUTED:
+        router = source.manifest.router
+        entries = [(name, source.manifest.tasks[name]) for name in router.tasks]
+        routed = {
+            "tasks": [
+                {"name": n, "module": e.module, "rank": e.rank, "max_positions": e.max_positions}
+                for n, e in entries
+            ],
+            "background": router.background,
+        }
+        config = export_config(
+            source.config, hidden_size=hidden_size, routed=routed, weights=weights
+        )
+    else:
+        entry = source.manifest.tasks[task]
+        config = export_config(
+            source.config,
+            task=task,
+            module=entry.module,
+            rank=entry.rank,
+            max_positions=entry.max_positions,
+            hidden_size=hidden_size,
+            weights=weights,
+        )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
     (folder / "README.md").write_text(model_card(source, task, shown), encoding="utf-8")
@@ -278,7 +324,6 @@ def _place(src: Path, dst: Path, link: str) -> None:
 
 def model_card(source: _Source, task: str, name: str) -> str:
     """Markdown for DEST/README.md: where it comes from, what it corrects, how to use it."""
-    entry = source.manifest.tasks[task]
     merge_yaml, base, models = _merge_config(source.out)
     hub_models = [m for m in models if _looks_like_hub_id(m)]
     front = {
@@ -286,25 +331,63 @@ def model_card(source: _Source, task: str, name: str) -> str:
         "tags": [*TAGS, "mergekit", "merge"],
         **({"base_model": hub_models} if hub_models else {}),
     }
-    rho = entry.metrics.get("rho_l1")  # absent in hand-made surgery folders
-    eval_tasks = entry.eval_tasks
-    lm_eval_tasks = ",".join(eval_tasks) or "TASKS"
+    arch = source.config["architectures"][0]
+    if task == ROUTED:
+        router = source.manifest.router
+        names = list(router.tasks)
+        intro = (
+            f"The merged model `{source.out.name}` with the DARTS surgery modules of tasks "
+            f"{', '.join(f'`{n}`' for n in names)} behind one router: per token, a gate "
+            "`softmax(W h + b)` on the final hidden state `h` (the LM head's input) weighs the "
+            "tasks' float32 corrections"
+            + (", plus a last class for text that needs none" if router.background else "")
+            + ", so each domain gets its correction without being told which domain it is. "
+            "Applied at every forward call by the shipped `modeling_darts.py`, which builds on "
+            f"transformers' own `{arch}`."
+        )
+        accuracy = (router.held_out or {}).get("token_accuracy")
+        extra = (
+            [f"Router: classes {', '.join(router.classes)}"
+             + ("" if accuracy is None else f"; held-out token accuracy {accuracy:.3f}") + "."]
+        )  # fmt: skip
+    else:
+        names = [task]
+        module = source.manifest.tasks[task].module
+        intro = (
+            f"The merged model `{source.out.name}` with the DARTS surgery module of task `{task}`: "
+            "a small float32 correction of the final hidden state (the LM head's input), applied "
+            "at every forward call by the shipped `modeling_darts.py`, which builds on "
+            f"transformers' own `{arch}`."
+        )
+        extra = (
+            ["Its module is `none`: the correction is the identity (the plain merge)."]
+            if module == "none"
+            else []
+        )
+    eval_tasks = [t for n in names for t in source.manifest.tasks[n].eval_tasks]
+    lm_eval_tasks = ",".join(dict.fromkeys(eval_tasks)) or "TASKS"
+    rows = []
+    for n in names:
+        entry = source.manifest.tasks[n]
+        rho = entry.metrics.get("rho_l1")  # absent in hand-made surgery folders
+        rows.append(
+            f"| `{n}` | `{entry.target or ''}` | {', '.join(entry.eval_tasks)} | {entry.module} | "
+            f"{entry.loss or ''} | {entry.rank} | {entry.max_positions} | "
+            f"{'—' if rho is None else f'{rho:.3f}'} |"
+        )
     lines = [
         "---",
         yaml.safe_dump(front, sort_keys=False).rstrip("\n"),
         "---",
         f"# {name}",
         "",
-        f"The merged model `{source.out.name}` with the DARTS surgery module of task `{task}`: a "
-        "small float32 correction of the final hidden state (the LM head's input), applied at "
-        "every forward call by the shipped `modeling_darts.py`, which builds on transformers' own "
-        f"`{source.config['architectures'][0]}`.",
+        intro,
         "",
         "| task | target | lm-eval tasks | module | loss | rank | max positions | ρ_L1 |",
         "|---|---|---|---|---|---|---|---|",
-        f"| `{task}` | `{entry.target or ''}` | {', '.join(eval_tasks)} | {entry.module} | "
-        f"{entry.loss or ''} | {entry.rank} | {entry.max_positions} | {'—' if rho is None else f'{rho:.3f}'} |",
+        *rows,
         "",
+        *(extra + [""] if extra else []),
         RHO_L1_NOTE,
         "",
         "## Load",

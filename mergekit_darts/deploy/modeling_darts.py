@@ -3,6 +3,9 @@
 Written by ``mergekit-darts export``. The folder holds a merged decoder's weights plus one small
 float32 module that corrects the final hidden state ``h`` (the LM head's input) of each token at
 absolute position ``p`` (0 = its sequence's first real token): ``h_hat = h - correction(h, p)``.
+A routed export holds every task's module behind a gate that weighs them per token from ``h``
+alone: ``h_hat = h - sum_k softmax(W h + b)_k correction_k(h, p)`` (no task id, no state carried
+across calls). A module of kind ``none`` is the identity (no tensors).
 
 Nothing here copies model code: ``DartsConfig`` and ``DartsForCausalLM`` build, once per base
 class, a subclass of transformers' own config and causal-LM classes (named in ``config.darts``)
@@ -59,8 +62,10 @@ AUTO_MAP = {
     "AutoConfig": "modeling_darts.DartsConfig",
     "AutoModelForCausalLM": "modeling_darts.DartsForCausalLM",
 }
-MODULE_KINDS = ("standard", "pos_corr", "add", "parallel")
-_SIZES = ("rank", "max_positions", "hidden_size")
+MODULE_KINDS = ("standard", "pos_corr", "add", "parallel", "none")  # "none": the identity
+ROUTED = "routed"  # darts.module of a routed export: every task's module behind one gate
+ROUTED_FIELDS = ("name", "module", "rank", "max_positions")  # each darts.routed.tasks entry
+_SIZES = ("rank", "max_positions")
 _HINT = "re-export it with `mergekit-darts export`"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -68,15 +73,19 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 def export_config(
     config: Mapping[str, Any],
     *,
-    task: str,
-    module: str,
-    rank: int,
-    max_positions: int,
     hidden_size: int,
+    task: str | None = None,
+    module: str | None = None,
+    rank: int | None = None,
+    max_positions: int | None = None,
+    routed: Mapping[str, Any] | None = None,
     weights: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The exported ``config.json``: the merged model's ``config`` plus the checked ``darts`` section.
 
+    One task: ``task``, ``module``, ``rank``, ``max_positions``. Routed (every task's module behind
+    the gate ``softmax(W h + b)``): ``routed={"tasks": [{"name", "module", "rank",
+    "max_positions"}, ...] in gate order, "background": bool}`` instead, and ``module`` "routed".
     ``weights`` (weight file name in the export -> :func:`weights_fingerprint`) lets the loaded
     folder prove its weights are still those the surgery was exported with.
     """
@@ -84,21 +93,32 @@ def export_config(
     out["architectures"] = [ARCHITECTURE_PREFIX + config["architectures"][0]]
     out["model_type"] = MODEL_TYPE
     out["auto_map"] = dict(AUTO_MAP)
+    if routed is not None:
+        what: dict[str, Any] = {
+            "module": ROUTED,
+            "routed": {
+                "tasks": [{k: dict(t)[k] for k in ROUTED_FIELDS} for t in routed["tasks"]],
+                "background": routed["background"],
+            },
+        }
+    else:
+        what = {"task": task, "module": module, "rank": rank, "max_positions": max_positions}
     out["darts"] = {
         "format": FORMAT,
         "version": VERSION,
         "base_model_type": config["model_type"],
         "base_architecture": config["architectures"][0],
-        "task": task,
-        "module": module,
-        "rank": rank,
-        "max_positions": max_positions,
+        **what,
         "hidden_size": hidden_size,
         "prefix": PREFIX,
         **({"weights": dict(sorted(weights.items()))} if weights else {}),
     }
     darts_section(out)
     return out
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def darts_section(config: Mapping[str, Any] | PretrainedConfig) -> dict[str, Any]:
@@ -124,12 +144,29 @@ def darts_section(config: Mapping[str, Any] | PretrainedConfig) -> dict[str, Any
     architecture = darts.get("base_architecture")
     if not isinstance(architecture, str) or not architecture:
         raise ValueError(f"config.json's darts section names no base_architecture: {_HINT}")
-    if darts.get("module") not in MODULE_KINDS:
+    if darts.get("module") == ROUTED:
+        _check_routed(darts)
+    else:
+        if darts.get("module") not in MODULE_KINDS:
+            raise ValueError(
+                f"config.json's darts.module {darts.get('module')!r} is not one of "
+                f"{(*MODULE_KINDS, ROUTED)}: {_HINT}"
+            )
+        if "routed" in darts:
+            raise ValueError(
+                f"config.json's darts section has a routed entry but darts.module "
+                f"{darts['module']!r} (a routed export has module {ROUTED!r}): {_HINT}"
+            )
+        if not all(isinstance(darts.get(k), int) and darts[k] > 0 for k in _SIZES):
+            raise ValueError(
+                f"config.json's darts section needs positive integers {(*_SIZES, 'hidden_size')}: "
+                f"{_HINT}"
+            )
+    if not (isinstance(darts.get("hidden_size"), int) and darts["hidden_size"] > 0):
         raise ValueError(
-            f"config.json's darts.module {darts.get('module')!r} is not one of {MODULE_KINDS}: {_HINT}"
+            f"config.json's darts section needs positive integers {(*_SIZES, 'hidden_size')}: "
+            f"{_HINT}"
         )
-    if not all(isinstance(darts.get(k), int) and darts[k] > 0 for k in _SIZES):
-        raise ValueError(f"config.json's darts section needs positive integers {_SIZES}: {_HINT}")
     if darts.get("prefix") != PREFIX:
         raise ValueError(
             f"config.json's darts.prefix {darts.get('prefix')!r} is not the tensor name prefix "
@@ -149,6 +186,44 @@ def darts_section(config: Mapping[str, Any] | PretrainedConfig) -> dict[str, Any
             f"{_HINT}"
         )
     return darts
+
+
+def _check_routed(darts: Mapping[str, Any]) -> None:
+    """A routed section: ``routed`` = {tasks: [{name, module, rank, max_positions}, ...] (two or
+    more, distinct names, gate order), background: bool}, and no single task's fields."""
+    where = "config.json's darts.routed"
+    single = sorted(k for k in ("task", "rank", "max_positions") if k in darts)
+    if single:
+        raise ValueError(
+            f"config.json's darts section of a routed export has single-task field(s) "
+            f"{', '.join(single)}: {_HINT}"
+        )
+    routed = darts.get("routed")
+    if not isinstance(routed, dict) or sorted(routed) != ["background", "tasks"]:
+        raise ValueError(f"{where} must be {{'tasks': [...], 'background': true|false}}: {_HINT}")
+    if not isinstance(routed["background"], bool):
+        raise ValueError(f"{where}.background must be true or false: {_HINT}")
+    tasks = routed["tasks"]
+    if not isinstance(tasks, list) or len(tasks) < 2:
+        raise ValueError(f"{where}.tasks must list two or more tasks: {_HINT}")
+    names = []
+    for i, task in enumerate(tasks):
+        if not isinstance(task, dict) or sorted(task) != sorted(ROUTED_FIELDS):
+            raise ValueError(
+                f"{where}.tasks[{i}] must have exactly the keys {ROUTED_FIELDS}: {_HINT}"
+            )
+        if not isinstance(task["name"], str) or not task["name"]:
+            raise ValueError(f"{where}.tasks[{i}].name must be a non-empty string: {_HINT}")
+        if task["module"] not in MODULE_KINDS:
+            raise ValueError(
+                f"{where}.tasks[{i}].module {task['module']!r} is not one of {MODULE_KINDS}: "
+                f"{_HINT}"
+            )
+        if not all(_positive(task[k]) for k in _SIZES):
+            raise ValueError(f"{where}.tasks[{i}] needs positive integers {_SIZES}: {_HINT}")
+        names.append(task["name"])
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}.tasks names a task twice: {names}: {_HINT}")
 
 
 # ---- the weights the surgery belongs to --------------------------------------------------------------
@@ -240,11 +315,34 @@ class _Matrix(nn.Module):
         self.weight = nn.Parameter(torch.zeros(rows, columns, dtype=torch.float32))
 
 
-class DartsSurgery(nn.Module):
+class _Float32(nn.Module):
+    """Stays float32 whatever the model's dtype: ``_apply`` (behind ``.to``, ``.half``,
+    ``.bfloat16``, ``.cuda``) moves it between devices but never changes its dtype."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        def same_dtype(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            return t.to(moved.device) if moved.dtype != t.dtype else moved
+
+        return super()._apply(same_dtype, recurse)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Corrected ``h``, computed in float32 and returned in ``h``'s dtype."""
+        if self.kind == "none":
+            return h
+        h32 = h.to(torch.float32)
+        return (h32 - self.correction(h32, positions)).to(h.dtype)
+
+    def device(self) -> torch.device | None:
+        """Where its tensors are; None for the ``none`` module, which has none."""
+        weight = next(self.parameters(), None)
+        return None if weight is None else weight.device
+
+
+class DartsSurgery(_Float32):
     """The surgery module; parameter names match mergekit-darts' ``SurgeryModule`` state dicts.
 
-    It stays float32 whatever the model's dtype: ``_apply`` (behind ``.to``, ``.half``,
-    ``.bfloat16``, ``.cuda``) moves it between devices but never changes its dtype.
+    Kind ``none`` is the identity and has no tensors.
     """
 
     def __init__(self, kind: str, hidden_size: int, rank: int, max_positions: int):
@@ -252,6 +350,8 @@ class DartsSurgery(nn.Module):
         if kind not in MODULE_KINDS:
             raise ValueError(f"unknown DARTS module {kind!r}; expected one of {MODULE_KINDS}")
         self.kind, self.max_positions = kind, max_positions
+        if kind == "none":
+            return
         self.down, self.up = _Matrix(rank, hidden_size), _Matrix(hidden_size, rank)
         if kind == "pos_corr":
             self.position_bias = nn.Parameter(
@@ -264,13 +364,6 @@ class DartsSurgery(nn.Module):
         if kind == "parallel":
             self.position_down = _Matrix(rank, hidden_size)
             self.position_up = _Matrix(hidden_size, rank)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> DartsSurgery:
-        def same_dtype(t: torch.Tensor) -> torch.Tensor:
-            moved = fn(t)
-            return t.to(moved.device) if moved.dtype != t.dtype else moved
-
-        return super()._apply(same_dtype, recurse)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, max_positions={self.max_positions}"
@@ -286,6 +379,8 @@ class DartsSurgery(nn.Module):
         return rows * inside.unsqueeze(-1).to(rows.dtype)
 
     def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "none":
+            return torch.zeros_like(h)
         if self.kind == "standard":
             return self._content(h)
         if self.kind == "pos_corr":
@@ -298,13 +393,53 @@ class DartsSurgery(nn.Module):
         )
         return self._content(h) + position
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """Corrected ``h``, computed in float32 and returned in ``h``'s dtype."""
-        h32 = h.to(torch.float32)
-        return (h32 - self.correction(h32, positions)).to(h.dtype)
+
+class _Gate(nn.Module):
+    """The router's ``weight`` [K', H] and ``bias`` [K'] (bare, so no weight init touches them)."""
+
+    def __init__(self, classes: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(classes, hidden_size, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(classes, dtype=torch.float32))
 
 
-def surgery_for(config: PretrainedConfig) -> DartsSurgery:
+class DartsRoutedSurgery(_Float32):
+    """Every task's module behind one gate, per token and with no state:
+    ``h_hat = h - sum_k g_k(h) (c_k(h) + b_k[p])``, ``g = softmax(W h + b)`` over the tasks in
+    gate order, plus a last "none" class (background text: adds nothing) when ``background``.
+
+    Parameter names match mergekit-darts' ``RoutedSurgery`` (``corrections.<k>.*``,
+    ``router.weight``, ``router.bias``); the math re-states it (this file cannot import it).
+    """
+
+    kind = ROUTED
+
+    def __init__(self, tasks: list[Mapping[str, Any]], background: bool, hidden_size: int):
+        super().__init__()
+        self.tasks = tuple(t["name"] for t in tasks)
+        self.background = background
+        self.corrections = nn.ModuleList(
+            DartsSurgery(t["module"], hidden_size, t["rank"], t["max_positions"]) for t in tasks
+        )
+        self.router = _Gate(len(tasks) + int(background), hidden_size)
+
+    def extra_repr(self) -> str:
+        return f"tasks={list(self.tasks)}, background={self.background}"
+
+    def gate(self, h: torch.Tensor) -> torch.Tensor:
+        """``softmax(W h + b)`` [..., K'] of float32 ``h``."""
+        return torch.softmax(F.linear(h, self.router.weight, self.router.bias), dim=-1)
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        gate = self.gate(h)
+        total = torch.zeros_like(h)
+        for k, module in enumerate(self.corrections):
+            if module.kind != "none":
+                total = total + gate[..., k : k + 1] * module.correction(h, positions)
+        return total
+
+
+def surgery_for(config: PretrainedConfig) -> DartsSurgery | DartsRoutedSurgery:
     """The (zero) module a loaded config's ``darts`` section describes, checked against the model."""
     darts = darts_section(config)
     hidden_size = getattr(config.get_text_config(), "hidden_size", None)
@@ -313,6 +448,9 @@ def surgery_for(config: PretrainedConfig) -> DartsSurgery:
             f"config.json's darts.hidden_size {darts['hidden_size']} does not match the model's "
             f"hidden_size {hidden_size}: {_HINT}"
         )
+    if darts["module"] == ROUTED:
+        routed = darts["routed"]
+        return DartsRoutedSurgery(routed["tasks"], routed["background"], hidden_size)
     return DartsSurgery(darts["module"], hidden_size, darts["rank"], darts["max_positions"])
 
 
@@ -498,7 +636,9 @@ class _DartsModelMixin:
             return None
         positions, logits_to_keep = call
         h, surgery = args[0], getattr(self, SURGERY)
-        where = surgery.down.weight.device
+        where = surgery.device()
+        if where is None:  # the `none` module: the merge as it is
+            return None
         kept = None if positions is None else head_positions(positions, logits_to_keep, h).to(where)
         with torch.autocast(h.device.type, enabled=False):  # float32 even under autocast
             return (surgery(h.to(where), kept).to(h.device), *args[1:])

@@ -4,8 +4,11 @@ vLLM hands each token's absolute position in its own sequence to the model's ``f
 (whatever the batching: continuous batching, chunked prefill, prefix caching), and ``forward``
 returns the final hidden states that ``compute_logits`` feeds to the LM head. So the subclass
 corrects exactly those: ``h - correction(h, p)`` in float32, cast back, with the module that the
-shipped ``modeling_darts.py`` builds under transformers (``DartsSurgery``; same numbers as
-:mod:`mergekit_darts.core.modules`). No model code is copied: one generic subclass per base
+shipped ``modeling_darts.py`` builds under transformers (``DartsSurgery``, or for a routed export
+``DartsRoutedSurgery``: every task's module behind the per-token gate; same numbers as
+:mod:`mergekit_darts.core.modules` and :mod:`mergekit_darts.core.router`). Each token is corrected
+from its own hidden state and position only, so nothing is carried across decoding steps; a
+``none`` module is the identity and has no tensors. No model code is copied: one generic subclass per base
 class, built on first use by the module ``__getattr__`` that vLLM's lazy ``"module:Class"``
 registrations (and pickle) resolve through.
 
@@ -32,6 +35,7 @@ from mergekit_darts.deploy.modeling_darts import (
     ARCHITECTURE_PREFIX,
     PREFIX,
     SURGERY,
+    DartsRoutedSurgery,
     DartsSurgery,
     darts_section,
     surgery_for,
@@ -85,7 +89,7 @@ class _DartsMixin(nn.Module):
         return None if loaded is None else set(loaded) | names
 
     def _load_surgery(self, tensors: dict[str, torch.Tensor]) -> set[str]:
-        module: DartsSurgery = getattr(self, SURGERY)
+        module: DartsSurgery | DartsRoutedSurgery = getattr(self, SURGERY)
         expected = {name: tuple(p.shape) for name, p in module.state_dict().items()}
         found = {name: tuple(t.shape) for name, t in tensors.items()}
         if found != expected:
