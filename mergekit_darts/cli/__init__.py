@@ -35,7 +35,8 @@ COMMANDS: dict[str, Entry] = {
     ),
     "export": Entry(
         "mergekit_darts.cli.export:command",
-        "Write DEST, a Hugging Face folder of the merge OUT_PATH with one surgery task built in.",
+        "Write DEST, a Hugging Face folder of the merge OUT_PATH with one surgery task built in "
+        "(with --routed: every routed task's module behind the router).",
     ),
     "report": Entry(
         "mergekit_darts.cli.report:command",
