@@ -303,11 +303,12 @@ save_file(out, sys.argv[2])
 """
 
 
-def test_loads_where_mergekit_darts_is_not_installed(
-    exported: Path, batch: dict[str, torch.Tensor], tmp_path: Path
-) -> None:
+def logits_without_darts(
+    folders: list[str], batch: dict[str, torch.Tensor], tmp_path: Path
+) -> dict[str, torch.Tensor]:
+    """Each exported folder's logits on ``batch``, from a fresh interpreter that cannot import
+    mergekit_darts, lm_eval_darts, mergekit or lm_eval (``NO_DARTS``)."""
     save_file(batch, tmp_path / "inputs.safetensors")
-    folders = [str(exported / kind) for kind in KINDS]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {
         "DARTS_NO_HOOK": "1",
@@ -320,7 +321,14 @@ def test_loads_where_mergekit_darts_is_not_installed(
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    logits = load_file(tmp_path / "logits.safetensors")
+    return load_file(tmp_path / "logits.safetensors")
+
+
+def test_loads_where_mergekit_darts_is_not_installed(
+    exported: Path, batch: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    folders = [str(exported / kind) for kind in KINDS]
+    logits = logits_without_darts(folders, batch, tmp_path)
     for folder in folders:
         with torch.no_grad():
             expected = load(Path(folder))(**batch).logits

@@ -12,10 +12,7 @@ a float64 reference of the routed formula written here, on a left-padded batch r
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +22,13 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from test_export import (  # noqa: F401  (modules_cache: the autouse fixture)
     MAX_POSITIONS,
-    NO_DARTS,
     RANK,
     STEPS,
     corrected64,
     fail,
     head_input,
     load,
+    logits_without_darts,
     modules_cache,
     positions_by_hand,
     snapshot,
@@ -327,21 +324,7 @@ def test_loads_where_mergekit_darts_is_not_installed(
     merged, dest, _ = routed
     none = tmp_path / "none"
     export(merged, none, "chat")
-    save_file(batch, tmp_path / "inputs.safetensors")
-    folders = [str(dest), str(none)]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env |= {
-        "DARTS_NO_HOOK": "1",
-        "HF_MODULES_CACHE": str(tmp_path / "modules"),
-        "HF_HUB_OFFLINE": "1",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", NO_DARTS, str(tmp_path / "inputs.safetensors"),
-         str(tmp_path / "logits.safetensors"), *folders],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    logits = load_file(tmp_path / "logits.safetensors")
+    logits = logits_without_darts([str(dest), str(none)], batch, tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(
             logits[str(dest)], routed_reference(merged)(**batch).logits, rtol=0, atol=1e-6
