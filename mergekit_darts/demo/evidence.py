@@ -3,8 +3,8 @@
 Each `select` task of the demo trains the fixed variants above it as candidates on 80 % of the
 calibration prompts and measures them on the other 20 %; with refit, the module it saves is
 byte for byte the fixed variant it chose. So every fixed variant's exact match can be paired
-with its candidate's held-out numbers (and the unrepaired merge with the "before" numbers), per
-merge and domain. Numbers from prompt-only and completion calibration are not comparable (other
+with its candidate's held-out numbers, and the unrepaired merge (the `{module: none}` candidate)
+with the "before" numbers, per merge and domain. Numbers from prompt-only and completion calibration are not comparable (other
 token sets), so each calibration group is analysed on its own.
 """
 
@@ -134,11 +134,8 @@ def selection_outcomes(
     out = []
     for merge in dict.fromkeys(p.merge for p in points):
         for group in ("prompts", "completions"):
-            cands = [
-                p
-                for p in points
-                if p.merge == merge and p.group == group and p.variant != NONE_LABEL
-            ]
+            # no surgery is a select candidate too (`{module: none}`)
+            cands = [p for p in points if p.merge == merge and p.group == group]
             if not cands:
                 continue
             by_variant: dict[str, list[float]] = {}
