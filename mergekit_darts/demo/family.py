@@ -1,12 +1,16 @@
 """Build the seeded tiny Llama family (base + one expert per domain) for the CPU-scale demo.
 
-The recipe aims at the paper's regime (docs/demo.md, "Which family the table is from"): a base
-trained mostly on generic text with some task-format data (none: the merge fails everywhere,
-beyond repair; too much: the base already solves the tasks and merging costs nothing), then
-experts fine-tuned on answer tokens only. The current recipe (v2: hidden 256, 15 % task data
-split code:math:instruct 1:3:1) does not reach it: its base already solves code. Training runs
-on one thread under the pins of mergekit_darts.demo.pinning, so the weights are the same on
-every x86-64 CPU with AVX2.
+The recipe aims at the paper's regime (docs/demo.md, "Which family the table is from"): a weak
+generalist base, experts well above it on their own domain, and a task-arithmetic merge that
+keeps a real but incomplete share of each fine-tuning gain. The base trains mostly on generic
+text with a little task-format data (none: the merge fails everywhere, beyond repair; too much:
+the base already solves the tasks and merging costs nothing); the experts are fine-tuned on
+answer tokens only. Recipe v3 (hidden 256, base 3000 steps with 3 % task data split
+code:math:instruct 1:5:1, experts 300 steps at lr 3e-4) was chosen from those properties by the
+search in docs/demo.md: longer generic pre-training with less task data is what raised the share
+kept. It meets those properties on family seeds 0 and 2 and misses the mean share on seed 1, and
+keeps 0.2-0.7 of each gain where the paper's merges keep 0.7-1.0. Training runs on one thread under the pins of mergekit_darts.demo.pinning, so the weights
+are the same on every x86-64 CPU with AVX2.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from mergekit_darts.demo.domains import (
 )
 from mergekit_darts.demo.tokenizer import build_tokenizer
 
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 STAMP = "family.json"
 # One intra-op thread: a fixed reduction order keeps the weights identical from run to run,
 # and OpenMP threads on a busy CPU slow a model this small down by up to 10x.
@@ -74,7 +78,7 @@ class Recipe:
 
 
 SCALES: dict[str, Recipe] = {
-    "full": Recipe(1000, 300, 32, 32, 1e-3, 5e-4, 0.15, (1.0, 3.0, 1.0), hidden_size=256, ffn=512),
+    "full": Recipe(3000, 300, 32, 32, 1e-3, 3e-4, 0.03, (1.0, 5.0, 1.0), hidden_size=256, ffn=512),
     "tiny": Recipe(12, 6, 8, 8, 3e-3, 1e-3, 0.02, n_eval=20),
 }
 
