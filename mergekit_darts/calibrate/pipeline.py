@@ -39,7 +39,7 @@ from mergekit_darts.calibrate.fit import TaskRun, require_completion_tokens, tra
 from mergekit_darts.calibrate.route import FittedRouter, fit_router, route_classes
 from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer, stage
 from mergekit_darts.calibrate.store import CaptureStore, check_cache_dir
-from mergekit_darts.calibrate.write import write_surgery
+from mergekit_darts.calibrate.write import calibration_record, write_surgery
 from mergekit_darts.config import (
     ResolvedTask,
     SurgeryConfig,
@@ -210,17 +210,11 @@ def _fit_router(prepared: PreparedSurgery, captured: CapturedTasks) -> FittedRou
         device=captured.runtime.device,
     )
     if background is not None:
-        cal = route.background
-        fitted.entry["background_calibration"] = {
-            "source": prepared.background.source,
-            **({"template": cal.template} if cal.template else {"field": cal.field or "text"}),
-            "num_samples": cal.num_samples,
-            "num_prompts": len(prepared.background.texts),
-            "max_length": cal.max_length,
-            "chat_template": cal.chat_template,
-            "prompt_sha256": list(prepared.background.sha256),
-            "prompt_tokens": [int(n) for n in captured.background.mask.sum(-1).tolist()],
-        }
+        fitted.entry["background_calibration"] = calibration_record(
+            route.background,
+            prepared.background,
+            [int(n) for n in captured.background.mask.sum(-1).tolist()],
+        )
     return fitted
 
 

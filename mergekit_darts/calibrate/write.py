@@ -23,9 +23,10 @@ from safetensors.torch import save as safetensors_bytes
 
 from mergekit_darts.artifacts import read_manifest, write_surgery_folder
 from mergekit_darts.calibrate.continuation import tokens_sha256
+from mergekit_darts.calibrate.data import Prompts
 from mergekit_darts.calibrate.fit import TaskRun, settings_of
 from mergekit_darts.calibrate.route import FittedRouter
-from mergekit_darts.config import SurgeryConfig, model_shape
+from mergekit_darts.config import CalibrationConfig, SurgeryConfig, model_shape
 from mergekit_darts.core.metrics import rho_from_deltas
 from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import BLOCK_KEY, SURGERY_YAML, Manifest, diagnostics_file, surgery_dir
@@ -84,6 +85,28 @@ def write_surgery(
     return read_manifest(surgery_dir(merged))
 
 
+def calibration_record(
+    cal: CalibrationConfig,
+    prompts: Prompts,
+    prompt_tokens: list[int],
+    *,
+    continuation_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The manifest's record of calibration prompts (a task's, or the router's background):
+    where they came from, how they were cut, and each prompt's sha256 and token count."""
+    return {
+        "source": prompts.source,
+        **({"template": cal.template} if cal.template else {"field": cal.field or "text"}),
+        "num_samples": cal.num_samples,
+        "num_prompts": len(prompts.texts),
+        "max_length": cal.max_length,
+        "chat_template": cal.chat_template,
+        **({} if continuation_tokens is None else {"continuation_tokens": continuation_tokens}),
+        "prompt_sha256": list(prompts.sha256),
+        "prompt_tokens": prompt_tokens,
+    }
+
+
 def _task_entry(run: TaskRun) -> dict[str, Any]:
     task, result = run.task, run.result
     cal = task.calibration
@@ -92,17 +115,12 @@ def _task_entry(run: TaskRun) -> dict[str, Any]:
         **settings_of(task),
         "target": task.target,
         "eval_tasks": list(task.eval_tasks),
-        "calibration": {
-            "source": run.prompts.source,
-            **({"template": cal.template} if cal.template else {"field": cal.field or "text"}),
-            "num_samples": cal.num_samples,
-            "num_prompts": len(run.prompts.texts),
-            "max_length": cal.max_length,
-            "chat_template": cal.chat_template,
-            "continuation_tokens": cal.continuation_tokens,
-            "prompt_sha256": list(run.prompts.sha256),
-            "prompt_tokens": [len(ids) for ids in run.prompt_ids],
-        },
+        "calibration": calibration_record(
+            cal,
+            run.prompts,
+            [len(ids) for ids in run.prompt_ids],
+            continuation_tokens=cal.continuation_tokens,
+        ),
         "metrics": {
             "rho_l1": result.rho_l1,
             "delta_before": _mean(result.delta_before, counted),
