@@ -135,18 +135,27 @@ def _load_module(folder: Path, manifest: Manifest, task: str) -> SurgeryModule:
     except (SafetensorError, OSError) as err:
         raise SurgeryFormatError(f"{file} is not a readable safetensors file ({err})") from err
     try:
-        expected = expected_shapes(kind, hidden_size, rank, max_positions)
+        module = build_module(kind, hidden_size, rank, max_positions)
     except ValueError as err:
         raise SurgeryFormatError(f"manifest entry of task {task!r}: {err}") from err
+    described = (
+        f"a {kind} module with hidden_size={hidden_size}, rank={rank}, "
+        f"max_positions={max_positions}"
+    )
+    return _load_checked(module, tensors, file, described).eval()
+
+
+def _load_checked(
+    module: Any, tensors: Mapping[str, torch.Tensor], file: Path, described: str
+) -> Any:
+    """``module`` with ``tensors`` (from ``file``) loaded as float32, once their names and shapes
+    are exactly its own; else one line saying what ``described`` needs."""
+    expected = {name: tuple(t.shape) for name, t in sorted(module.state_dict().items())}
     found = {name: tuple(t.shape) for name, t in sorted(tensors.items())}
     if found != expected:
-        raise SurgeryFormatError(
-            f"{file} holds tensors {found}, but a {kind} module with hidden_size={hidden_size}, "
-            f"rank={rank}, max_positions={max_positions} needs {expected}"
-        )
-    module = build_module(kind, hidden_size, rank, max_positions)
+        raise SurgeryFormatError(f"{file} holds tensors {found}, but {described} needs {expected}")
     module.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
-    return module.eval()
+    return module
 
 
 def load_routed(folder: str | Path, *, weights: str | Path | None = None) -> RoutedSurgery:
@@ -175,14 +184,11 @@ def load_routed(folder: str | Path, *, weights: str | Path | None = None) -> Rou
         tensors = load_file(file)
     except (SafetensorError, OSError) as err:
         raise SurgeryFormatError(f"router file {file} is missing or unreadable ({err})") from err
-    expected = {name: tuple(t.shape) for name, t in sorted(router.state_dict().items())}
-    found = {name: tuple(t.shape) for name, t in sorted(tensors.items())}
-    if found != expected:
-        raise SurgeryFormatError(
-            f"{file} holds tensors {found}, but a router over {len(router.classes)} classes "
-            f"({', '.join(router.classes)}) with hidden_size={manifest.hidden_size} needs {expected}"
-        )
-    router.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
+    described = (
+        f"a router over {len(router.classes)} classes ({', '.join(router.classes)}) with "
+        f"hidden_size={manifest.hidden_size}"
+    )
+    _load_checked(router, tensors, file, described)
     modules = {task: _load_module(folder, manifest, task) for task in entry.tasks}
     return RoutedSurgery(modules, router).eval()
 
