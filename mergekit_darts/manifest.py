@@ -43,6 +43,14 @@ def diagnostics_file(task: str) -> str:
     return f"diagnostics/{task}.safetensors"
 
 
+def plain_file_name(name: str) -> str:
+    """``name``, or ``ValueError`` unless it names a file directly inside ``surgery/``: manifests
+    travel with downloaded merges, and no name in one may lead elsewhere."""
+    if PurePosixPath(name).name != name or name in (".", "..") or "\\" in name:
+        raise ValueError(f"{name!r} must be a plain file name inside surgery/")
+    return name
+
+
 class _Record(BaseModel):
     """Typed where code reads a key, open where it does not: unknown keys round-trip unchanged."""
 
@@ -114,9 +122,7 @@ class RouterEntry(_Record):
     @field_validator("file")
     @classmethod
     def _plain_file(cls, name: str) -> str:
-        if PurePosixPath(name).name != name or name in (".", "..") or "\\" in name:
-            raise ValueError(f"{name!r} must be a plain file name inside surgery/")
-        return name
+        return plain_file_name(name)
 
     @property
     def classes(self) -> list[str]:
@@ -146,9 +152,7 @@ class Manifest(_Record):
     @field_validator("config")
     @classmethod
     def _plain_config(cls, name: str | None) -> str | None:
-        if name is not None and (PurePosixPath(name).name != name or name in (".", "..")):
-            raise ValueError(f"{name!r} must be a plain file name inside surgery/")
-        return name
+        return None if name is None else plain_file_name(name)
 
     @field_validator("tasks")
     @classmethod
