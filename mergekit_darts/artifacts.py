@@ -175,7 +175,7 @@ def load_routed(folder: str | Path, *, weights: str | Path | None = None) -> Rou
     if missing := [task for task in entry.tasks if task not in manifest.tasks]:
         raise SurgeryFormatError(
             f"{folder / MANIFEST}: the router weighs task(s) {', '.join(missing)} that the folder "
-            f"does not hold (it has {', '.join(manifest.tasks)}); re-run the surgery"
+            f"does not hold (it has {', '.join(manifest.tasks)}); re-run `mergekit-darts calibrate`"
         )
     check_calibrated_on(manifest, folder, weights)
     router = Router(manifest.hidden_size, entry.tasks, entry.background)

@@ -79,8 +79,8 @@ def export(
         raise ExportError(f"unknown --link {link!r}; choose one of {', '.join(LINKS)}")
     out, dest = Path(out_path), Path(os.path.abspath(dest))  # abspath: "." and "x/" have names
     source = _Source.read(out)
-    if routed:
-        _check_router(source)
+    if routed:  # loaded before DEST is checked: a folder without a usable router stops here
+        modules: dict[str, Any] = {ROUTED: load_routed(source.surgery, weights=out)}
         tasks = [ROUTED]
     elif all_tasks:
         tasks = list(source.manifest.tasks)
@@ -89,9 +89,7 @@ def export(
     _check_dest(dest)
     if link == "hardlink":
         _check_same_filesystem(source, dest)
-    if routed:
-        modules: dict[str, Any] = {ROUTED: load_routed(source.surgery, weights=out)}
-    else:
+    if not routed:
         modules = {name: load_surgery(source.surgery, name) for name in tasks}
 
     try:
@@ -104,24 +102,6 @@ def export(
     except OSError as err:  # the staging folder is gone: DEST is as it was
         raise ExportError(_write_failed(dest, err)) from err
     return [dest / name for name in tasks] if all_tasks else [dest]
-
-
-def _check_router(source: _Source) -> None:
-    """A ``--routed`` export needs the router ``route:`` fits, over tasks the folder holds."""
-    router = source.manifest.router
-    if router is None:
-        raise ExportError(
-            f"{source.surgery} has no router, so --routed cannot export it: add `route:` to the "
-            "surgery block (two or more tasks) and re-run `mergekit-darts calibrate`, or export "
-            "one task with --task"
-        )
-    missing = [name for name in router.tasks if name not in source.manifest.tasks]
-    if missing:
-        raise ExportError(
-            f"{source.surgery}'s router weighs task(s) {', '.join(missing)} that its manifest "
-            f"does not hold (it has {', '.join(source.manifest.tasks)}): re-run "
-            "`mergekit-darts calibrate`"
-        )
 
 
 def _write_failed(dest: Path, err: OSError) -> str:
