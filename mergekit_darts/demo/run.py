@@ -33,7 +33,7 @@ from mergekit_darts.demo.evidence import NONE_LABEL, Point, collect, selection_o
 from mergekit_darts.demo.evidence import markdown as evidence_markdown
 from mergekit_darts.demo.family import FamilyPaths, build_family
 from mergekit_darts.demo.generic import logit_shift, write_generic_prompts
-from mergekit_darts.demo.pinning import apply_in_process, pinned_env
+from mergekit_darts.demo.pinning import PINS, apply_in_process, pinned_env
 from mergekit_darts.demo.report import (
     BOOTSTRAP_SAMPLES,
     BOOTSTRAP_SEED,
@@ -176,6 +176,11 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     console.print(f"[bold]pinned for reproducibility:[/bold] {pins}")
     if not pins["pinned_before_torch"]:
         console.print("[yellow]torch started unpinned: numbers may differ from the README[/yellow]")
+    if pins["mkl_branch"] not in (None, PINS["MKL_CBWR"]):
+        console.print(
+            f"[yellow]MKL runs its {pins['mkl_branch']} branch, not {PINS['MKL_CBWR']}: "
+            "numbers may differ from the README[/yellow]"
+        )
     start = time.perf_counter()
     settings.out.mkdir(parents=True, exist_ok=True)
     console.rule("1/3 tiny model family")
