@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo test test-quick lint format bench clean install-vllm test-vllm bench-vllm
+.PHONY: install demo demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm
 
 $(STAMP): pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.pth
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ install: $(STAMP)
 DEMO_ARGS ?=
 demo: install
 	$(BIN)/python -m mergekit_darts.demo $(DEMO_ARGS)
+
+## `make demo` from scratch under four shell environments (pins already set; ATEN default + MKL
+## COMPATIBLE + 2 threads; AVX-512 + MKL AUTO + 2 threads; `env -i`): table.md must be identical.
+## DEMO_ENVS_ARGS="-- --scale tiny" passes demo options; results in runs/demo-envs/.
+DEMO_ENVS_ARGS ?=
+demo-envs: install
+	$(BIN)/python -m benchmarks.demo_envs $(DEMO_ENVS_ARGS)
 
 ## The test suite (pytest's "no tests collected", exit 5, counts as success).
 test: install
