@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = opts.only or list(ENVS)
     with ThreadPoolExecutor(opts.jobs) as pool:
-        runs = dict(zip(names, pool.map(lambda n: run_one(n, out, opts.demo_args), names)))
+        runs = dict(
+            zip(names, pool.map(lambda n: run_one(n, out, opts.demo_args), names), strict=True)
+        )
     tables = {r["table_sha256"] for r in runs.values()}
     same = len(tables) == 1 and None not in tables
     (out / "demo-envs.json").write_text(
