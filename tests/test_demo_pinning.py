@@ -73,7 +73,9 @@ def _has_avx2() -> bool:
 
 
 @pytest.mark.skipif(not _has_avx2(), reason="needs an x86-64 CPU with AVX2")
-def test_a_real_reexec_starts_torch_with_the_avx2_kernels_and_mkl_compatible(tmp_path: Path) -> None:
+def test_a_real_reexec_starts_torch_with_the_avx2_kernels_and_mkl_compatible(
+    tmp_path: Path,
+) -> None:
     """End to end: a hostile environment, the re-exec, and what torch then reports."""
     probe = tmp_path / "darts_pin_probe.py"
     probe.write_text(

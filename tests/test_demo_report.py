@@ -9,10 +9,11 @@ import statistics
 
 import pytest
 
-from mergekit_darts.analysis.stats import paired_bootstrap
+from mergekit_darts.analysis.stats import SeededCI, paired_bootstrap, seeded_bootstrap
 from mergekit_darts.demo.domains import DOMAIN_NAMES
 from mergekit_darts.demo.evaluation import Evaluation
 from mergekit_darts.demo.report import Row, add_deltas, markdown_table, regime
+from mergekit_darts.errors import ResultsError
 
 
 def _reference_bootstrap(
@@ -58,6 +59,98 @@ def test_bootstrap_of_constant_differences_is_a_point() -> None:
     ci = paired_bootstrap({"a": [2.0] * 10, "b": [4.0] * 5})
     assert (ci.mean, ci.low, ci.high) == (3.0, 3.0, 3.0)
     assert ci.significant
+
+
+def _reference_two_level(
+    diffs: dict[int, dict[str, list[float]]], n_boot: int, seed: int
+) -> tuple[float, float]:
+    """Hand-written float64 loop, its own RNG: draw seeds with replacement, then items (shared
+    by the drawn seeds) within each domain; mean over domains of the mean over seeds x items."""
+    rng = random.Random(seed)
+    seeds = list(diffs)
+    stats = []
+    for _ in range(n_boot):
+        drawn = [seeds[rng.randrange(len(seeds))] for _ in seeds]
+        means = []
+        for d in diffs[seeds[0]]:
+            n = len(diffs[seeds[0]][d])
+            picks = [rng.randrange(n) for _ in range(n)]
+            means.append(math.fsum(diffs[s][d][i] for s in drawn for i in picks) / (n * len(drawn)))
+        stats.append(math.fsum(means) / len(means))
+    stats.sort()
+    return stats[int(0.025 * n_boot)], stats[int(0.975 * n_boot) - 1]
+
+
+def _seed_diffs(shifts: list[float], n: int = 200) -> dict[int, dict[str, list[float]]]:
+    """Per-item differences of three surgery seeds: the same item noise pattern, seed shifts."""
+    rng = random.Random(3)
+    out = {}
+    for s, shift in enumerate(shifts):
+        out[s] = {
+            d: [
+                100.0 * (rng.random() < 0.25 + shift) - 100.0 * (rng.random() < 0.25)
+                for _ in range(n)
+            ]
+            for d in DOMAIN_NAMES
+        }
+    return out
+
+
+def test_two_level_bootstrap_matches_an_independent_reference() -> None:
+    diffs = _seed_diffs([0.0, 0.05, 0.10])
+    ci = seeded_bootstrap(diffs, n_boot=4000, seed=0)
+    per_seed = {
+        s: statistics.fmean(statistics.fmean(v) for v in by_domain.values())
+        for s, by_domain in diffs.items()
+    }
+    assert ci.per_seed == pytest.approx(per_seed)
+    assert ci.mean == pytest.approx(statistics.fmean(per_seed.values()))
+    low, high = _reference_two_level(diffs, 2000, 11)
+    # Monte-Carlo error of the percentiles of a 27-component mixture: about 1 point here
+    assert ci.low == pytest.approx(low, abs=1.5)
+    assert ci.high == pytest.approx(high, abs=1.5)
+    # seed noise widens the interval beyond the items-only one of the pooled items
+    items_only = paired_bootstrap(
+        {f"{d}{s}": diffs[s][d] for s in diffs for d in DOMAIN_NAMES}, n_boot=4000
+    )
+    assert ci.high - ci.low > 1.2 * (items_only.high - items_only.low)
+    assert seeded_bootstrap(diffs, n_boot=4000, seed=0) == ci  # fixed seed: same interval
+
+
+def test_two_level_bootstrap_of_constant_items_spans_the_seeds() -> None:
+    """Exact: items constant within a seed leave only the seed draw; each seed alone is drawn
+    three times in 1/27 > 2.5 % of resamples, so the interval is [min, max] of the seeds."""
+    diffs = {s: {"a": [c] * 7, "b": [c] * 4} for s, c in enumerate([-1.0, 2.0, 5.0])}
+    ci = seeded_bootstrap(diffs, n_boot=10_000, seed=0)
+    assert (ci.mean, ci.low, ci.high) == (2.0, -1.0, 5.0)
+    assert ci.per_seed == {0: -1.0, 1: 2.0, 2: 5.0}
+    assert ci.direction == "no difference"
+
+
+def test_one_seed_is_the_item_bootstrap() -> None:
+    diffs = _seed_diffs([0.1])
+    ci = seeded_bootstrap(diffs, n_boot=4000, seed=0)
+    items = paired_bootstrap(diffs[0], n_boot=4000, seed=5)
+    assert ci.mean == pytest.approx(items.mean)
+    assert ci.low == pytest.approx(items.low, abs=0.6)
+    assert ci.high == pytest.approx(items.high, abs=0.6)
+
+
+def test_a_row_is_called_only_when_every_seed_agrees() -> None:
+    def call(low: float, high: float, seeds: list[float]) -> str:
+        return SeededCI(0.0, low, high, dict(enumerate(seeds)), 900, 10, 0).direction
+
+    assert call(0.5, 3.0, [1.0, 2.0, 0.2]) == "better"
+    assert call(0.5, 3.0, [1.0, 2.0, -0.2]) == "no difference"
+    assert call(-3.0, -0.5, [-1.0, -2.0, -0.2]) == "worse"
+    assert call(-3.0, 0.5, [-1.0, -2.0, -0.2]) == "no difference"
+
+
+def test_two_level_bootstrap_refuses_unpaired_seeds() -> None:
+    with pytest.raises(ResultsError, match="seed 1, a: every seed needs the same"):
+        seeded_bootstrap({0: {"a": [1.0, 2.0]}, 1: {"a": [1.0]}})
+    with pytest.raises(ResultsError, match="seed 1 has groups"):
+        seeded_bootstrap({0: {"a": [1.0]}, 1: {"b": [1.0]}})
 
 
 def _rows() -> list[Row]:

@@ -23,7 +23,12 @@ from mergekit_darts.demo.run import DemoSettings, run_demo
 def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the YAMLs hold cwd-relative paths, like mergekit's `model:`
     settings = DemoSettings(
-        out=tmp_path / "demo", scale="tiny", methods=("task_arithmetic",), steps=5, limit=3
+        out=tmp_path / "demo",
+        scale="tiny",
+        methods=("task_arithmetic",),
+        steps=5,
+        limit=3,
+        surgery_seeds=2,
     )
     results = run_demo(settings)
     out = settings.out
@@ -48,6 +53,22 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
     surgery_rows = results["rows"][-len(HEADLINE) - 1 :]
     assert all(set(row["rho_l1"]) == set(DOMAIN_NAMES) for row in surgery_rows[:-1])
     assert all(len(row["delta_vs_none"]["ci95"]) == 2 for row in surgery_rows)
+    for row in surgery_rows:  # every surgery row ran once per surgery seed, on the same merge
+        assert row["surgery_seeds"] == [0, 1] and set(row["scores_by_seed"]) == {"0", "1"}
+        assert row["scores_by_seed"]["0"] == row["scores"]
+        over = row["delta_vs_none_over_seeds"]
+        assert set(over["by_seed"]) == {"0", "1"} and len(over["ci95"]) == 2
+        assert over["direction"] in {"better", "worse", "no difference"}
+        assert over["seed_range"] == [min(over["by_seed"].values()), max(over["by_seed"].values())]
+    seed1 = yaml.safe_load((out / "configs/task_arithmetic_seed1.yml").read_text())
+    assert seed1["surgery"]["seed"] == 1
+    assert (
+        "seed" not in yaml.safe_load((out / "configs/task_arithmetic.yml").read_text())["surgery"]
+    )
+    other = out / "merges/task_arithmetic_seed1/surgery"
+    assert (other / "code.safetensors").read_bytes() != (
+        out / "merges/task_arithmetic/surgery/code.safetensors"
+    ).read_bytes()  # the seed reached the training
     router = surgery_rows[-1]["router_held_out"]
     assert 0 <= router["token_accuracy"] <= 1 and 0 <= router["sequence_accuracy"] <= 1
     shift = results["generic_text_shift"]["task_arithmetic"]
@@ -55,6 +76,7 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
     assert all(shift[k]["kl"] >= 0 for k in ("routed", *DOMAIN_NAMES))
     pins = results["settings"]["pins"]
     assert pins["torch_threads"] == 1 and pins["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert results["settings"]["surgery_seeds"] == 2
     assert {"torch", "transformers", "lm_eval", "mergekit"} <= set(results["settings"]["versions"])
     table = (out / "table.md").read_text()
     assert all(label in table for label in labels)

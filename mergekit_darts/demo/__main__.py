@@ -30,6 +30,13 @@ from mergekit_darts.demo.pinning import reexec_if_unpinned
     help="Repeatable; default: all four.",
 )
 @click.option("--steps", type=int, default=500, show_default=True, help="Surgery training steps.")
+@click.option(
+    "--surgery-seeds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Surgery seeds 0..N-1 per surgery row; intervals resample seeds and items.",
+)
 @click.option("--limit", type=int, default=None, help="Evaluation items per task (default: all).")
 @click.option("--batch-size", type=int, default=32, show_default=True)
 @click.option("--fresh", is_flag=True, help="Redo merges and evaluations even when cached.")
@@ -42,6 +49,7 @@ def main(
     seed: int,
     methods: tuple[str, ...],
     steps: int,
+    surgery_seeds: int,
     limit: int | None,
     batch_size: int,
     fresh: bool,
@@ -51,7 +59,16 @@ def main(
     from mergekit_darts.demo.run import DemoSettings, run_demo
 
     settings = DemoSettings(
-        out, scale, seed, methods or tuple(METHODS), steps, limit, batch_size, fresh, full
+        out,
+        scale,
+        seed,
+        methods or tuple(METHODS),
+        steps,
+        limit,
+        batch_size,
+        fresh,
+        full,
+        surgery_seeds,
     )
     run_demo(settings)
 

@@ -121,8 +121,12 @@ def merge_config(
     cache_dir: Path | None = None,
     rows: tuple[Variant, ...] = HEADLINE,
     background: Path | None = None,
+    surgery_seed: int = 0,
 ) -> dict[str, Any]:
     """The full merge YAML (as a dict) of one method, surgery block included.
+
+    A nonzero ``surgery_seed`` becomes the block's ``seed:`` (module init, batch order, select's
+    held-out split and the router's fit); the merge itself does not depend on it.
 
     With ``cache_dir`` the four merges share one capture store: each expert is captured once for
     the whole demo, and a re-run (or ``examples/sweep.yml`` after it) loads no expert. With
@@ -137,6 +141,8 @@ def merge_config(
     ]
     config["dtype"] = "float32"
     config["surgery"] = {"steps": steps}
+    if surgery_seed:
+        config["surgery"]["seed"] = surgery_seed
     if cache_dir is not None:
         config["surgery"]["cache_dir"] = _rel(cache_dir)
     if background is not None:

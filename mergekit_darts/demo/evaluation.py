@@ -29,6 +29,7 @@ class DemoSettings:
     batch_size: int = 32
     fresh: bool = False  # recompute merges and evaluations even when cached
     full: bool = False  # ablation rows and the held-out-metric study too
+    surgery_seeds: int = 1  # surgery seeds 0..n-1 per surgery row (the CLI's default is 3)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from rich.console import Console
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.demo.configs import (
     ROUTED_LABEL,
+    Variant,
     lm_eval_task,
     merge_config,
     surgery_task,
@@ -28,7 +29,7 @@ from mergekit_darts.demo.configs import (
     write_config,
 )
 from mergekit_darts.demo.domains import DOMAIN_NAMES
-from mergekit_darts.demo.evaluation import DemoSettings, digest, evaluate
+from mergekit_darts.demo.evaluation import DemoSettings, Evaluation, digest, evaluate
 from mergekit_darts.demo.evidence import NONE_LABEL, Point, collect, selection_outcomes
 from mergekit_darts.demo.evidence import markdown as evidence_markdown
 from mergekit_darts.demo.family import FamilyPaths, build_family
@@ -45,7 +46,7 @@ from mergekit_darts.demo.report import (
     shift_table,
     summary,
 )
-from mergekit_darts.manifest import surgery_dir
+from mergekit_darts.manifest import Manifest, surgery_dir
 
 console = Console()
 __all__ = ["DemoSettings", "run_demo"]
@@ -93,45 +94,84 @@ def _stamp(family: FamilyPaths) -> str:
 def merged_rows(
     settings: DemoSettings, family: FamilyPaths, method: str
 ) -> tuple[list[Row], list[Point], dict[str, Any]]:
-    """No surgery, each surgery variant and the routed DARTS modules, on one merge; the logit
-    shift on generic text; the held-out evidence (full)."""
-    calib = {d: family.calib_file(d) for d in DOMAIN_NAMES}
+    """No surgery, each surgery variant and the routed DARTS modules, on one merge, each surgery
+    row once per surgery seed; the logit shift on generic text; the held-out evidence (full).
+    Both come from the first seed."""
     background, measured = write_generic_prompts(settings.out / "data", settings.seed)
     shown = variants(settings.full)
-    config = merge_config(
-        method,
-        family.base,
-        family.experts,
-        calib,
-        steps=settings.steps,
-        cache_dir=settings.out / "captures",
-        rows=shown,
-        background=background,
+    runs = [
+        _surgery_run(settings, family, method, shown, background, s)
+        for s in range(settings.surgery_seeds)
+    ]
+    merged, manifest, key = runs[0]
+    for other, other_manifest, _ in runs[1:]:
+        if other_manifest.merged_identity != manifest.merged_identity:
+            raise RuntimeError(f"{other} is not the same merge as {merged}: compare their configs")
+
+    def per_seed(args: str) -> dict[int, Evaluation]:
+        return {
+            s: evaluate(settings, family, "hf-darts", f"pretrained={m},dtype=float32,{args}", k)
+            for s, (m, _, k) in enumerate(runs)
+        }
+
+    none = evaluate(
+        settings, family, "hf-darts", f"pretrained={merged},dtype=float32,surgery=none", key
     )
-    config_path = write_config(config, settings.out / "configs" / f"{method}.yml")
-    merged = merge_with_surgery(
-        config_path, settings.out / "merges" / method, settings.seed, settings.fresh
-    )
-    key = (merged.with_name(merged.name + ".done")).read_text()
-    manifest = read_manifest(surgery_dir(merged))
-    base_args = f"pretrained={merged},dtype=float32"
-    none = evaluate(settings, family, "hf-darts", base_args + ",surgery=none", key)
     rows = [Row(method, NONE_LABEL, "none", none)]
     for variant in shown:
         names = {d: surgery_task(d) + variant.suffix for d in DOMAIN_NAMES}
         mapping = ";".join(f"{lm_eval_task(d)}:{names[d]}" for d in DOMAIN_NAMES)
-        args = f"{base_args},surgery=auto,surgery_map={mapping}"
-        evaluation = evaluate(settings, family, "hf-darts", args, key)
-        rho = {d: manifest.tasks[names[d]].metrics["rho_l1"] for d in DOMAIN_NAMES}
-        rows.append(Row(method, variant.label, "surgery", evaluation, rho=rho))
-    routed = evaluate(settings, family, "hf-darts", base_args + ",surgery=routed", key)
-    router = manifest.router.held_out
-    accuracy = {k: router[k] for k in ("token_accuracy", "sequence_accuracy")}
-    rows.append(Row(method, ROUTED_LABEL, "surgery", routed, router=accuracy))
+        evaluations = per_seed(f"surgery=auto,surgery_map={mapping}")
+        rho = _mean(
+            [{d: m.tasks[names[d]].metrics["rho_l1"] for d in DOMAIN_NAMES} for _, m, _ in runs]
+        )
+        rows.append(
+            Row(method, variant.label, "surgery", evaluations[0], rho=rho, seeds=evaluations)
+        )
+    routed = per_seed("surgery=routed")
+    held_out = ("token_accuracy", "sequence_accuracy")
+    accuracy = _mean([{k: m.router.held_out[k] for k in held_out} for _, m, _ in runs])
+    rows.append(Row(method, ROUTED_LABEL, "surgery", routed[0], router=accuracy, seeds=routed))
     shift = logit_shift(merged, measured, [surgery_task(d) for d in DOMAIN_NAMES])
     if not settings.full:
         return rows, [], shift
-    return rows, collect(method, manifest, {row.label: row.scores for row in rows}), shift
+    first = {row.label: row.scores for row in rows}
+    return rows, collect(method, manifest, first), shift
+
+
+def _surgery_run(
+    settings: DemoSettings,
+    family: FamilyPaths,
+    method: str,
+    shown: tuple[Variant, ...],
+    background: Path,
+    surgery_seed: int,
+) -> tuple[Path, Manifest, str]:
+    """One `mergekit-yaml` run of `method` whose block trains with `surgery_seed` (the merge
+    itself keeps the family seed): its folder, manifest and cache key."""
+    name = method if surgery_seed == 0 else f"{method}_seed{surgery_seed}"
+    config = merge_config(
+        method,
+        family.base,
+        family.experts,
+        {d: family.calib_file(d) for d in DOMAIN_NAMES},
+        steps=settings.steps,
+        cache_dir=settings.out / "captures",
+        rows=shown,
+        background=background,
+        surgery_seed=surgery_seed,
+    )
+    config_path = write_config(config, settings.out / "configs" / f"{name}.yml")
+    merged = merge_with_surgery(
+        config_path, settings.out / "merges" / name, settings.seed, settings.fresh
+    )
+    key = (merged.with_name(merged.name + ".done")).read_text()
+    return merged, read_manifest(surgery_dir(merged)), key
+
+
+def _mean(values: list[dict[str, float]]) -> dict[str, float]:
+    """Key-wise mean over surgery seeds."""
+    return {k: sum(v[k] for v in values) / len(values) for k in values[0]}
 
 
 def bias_figures(settings: DemoSettings, method: str) -> list[Path]:
@@ -203,7 +243,12 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(settings).items()},
             "pins": pins,
             "versions": _versions(),
-            "bootstrap": {"samples": BOOTSTRAP_SAMPLES, "seed": BOOTSTRAP_SEED, "level": 0.95},
+            "bootstrap": {
+                "samples": BOOTSTRAP_SAMPLES,
+                "seed": BOOTSTRAP_SEED,
+                "level": 0.95,
+                "over_seeds": "surgery seeds and items resampled (seeded_bootstrap)",
+            },
         },
         "rows": [row.record() for row in rows],
         "regime": regime_numbers,
