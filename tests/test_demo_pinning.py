@@ -100,3 +100,17 @@ def test_a_real_reexec_starts_torch_with_the_avx2_kernels_and_mkl_compatible(
     assert out.returncode == 0, out.stderr
     # MKL's own report: an instruction-set branch (MKL_CBWR=AVX2) is not applied on AMD CPUs
     assert out.stdout.split() == ["AVX2", "COMPATIBLE", "1", "True"]
+
+
+def test_the_environment_check_covers_the_issue_settings_and_an_empty_shell(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from benchmarks.demo_envs import ENVS, environment
+
+    monkeypatch.setenv("MKL_CBWR", "AUTO")
+    assert unpinned(environment("pinned")) == {}  # no re-exec: the pins are already there
+    assert environment("portable")["ATEN_CPU_CAPABILITY"] == "default"
+    assert environment("avx512")["MKL_CBWR"] == "AUTO"
+    assert unpinned(environment("avx512"))["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    assert set(environment("empty")) == {"PATH"}
+    assert set(ENVS) == {"pinned", "portable", "avx512", "empty"}

@@ -77,6 +77,7 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
     pins = results["settings"]["pins"]
     assert pins["torch_threads"] == 1 and pins["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
     assert results["settings"]["surgery_seeds"] == 2
+    assert results["cpu_seconds"] > 0 and "mkl_branch" in results["settings"]["pins"]
     assert {"torch", "transformers", "lm_eval", "mergekit"} <= set(results["settings"]["versions"])
     table = (out / "table.md").read_text()
     assert all(label in table for label in labels)
