@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,24 @@ def test_second_build_is_a_cache_hit(
     monkeypatch.setattr(family_module, "_train_family", no_training)
     again = build_family(tiny_family.root, seed=0, scale="tiny", progress=False)
     assert again == tiny_family
+
+
+def test_a_family_built_under_other_pins_is_rebuilt(
+    tiny_family: FamilyPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = shutil.copytree(tiny_family.root, tmp_path / "family")  # the fixture stays intact
+
+    class Retrained(Exception):
+        pass
+
+    def retrain(*args: object, **kwargs: object) -> None:
+        raise Retrained
+
+    monkeypatch.setattr(family_module, "_train_family", retrain)
+    build_family(copy, seed=0, scale="tiny", progress=False)  # same pins: a cache hit
+    monkeypatch.setattr(family_module, "PINS", {**family_module.PINS, "MKL_CBWR": "AVX2"})
+    with pytest.raises(Retrained):
+        build_family(copy, seed=0, scale="tiny", progress=False)
 
 
 def test_build_is_deterministic(tiny_family: FamilyPaths, tmp_path: Path) -> None:

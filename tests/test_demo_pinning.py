@@ -44,6 +44,23 @@ def test_merge_subprocess_gets_the_pins(tmp_path: Path, monkeypatch: pytest.Monk
     assert {k: seen[k] for k in PINS} == PINS
 
 
+def test_a_merge_is_redone_for_a_rebuilt_family(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[list[str]] = []
+
+    def fake_run(command: list[str], check: bool, env: dict[str, str]) -> None:
+        runs.append(command)
+        Path(command[2]).mkdir(parents=True, exist_ok=True)
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    config = tmp_path / "m.yml"
+    config.write_text("merge_method: linear\n")
+    for family_key in ("family A", "family A", "family B"):
+        run.merge_with_surgery(config, tmp_path / "out", 0, False, family_key)
+    assert len(runs) == 2  # the same family is a cache hit; another one is merged again
+
+
 def test_reexec_replaces_an_unpinned_process(monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in HOSTILE.items():
         monkeypatch.setenv(key, value)

@@ -46,6 +46,7 @@ from mergekit_darts.demo.domains import (
     make_splits,
     training_example,
 )
+from mergekit_darts.demo.pinning import PINS
 from mergekit_darts.demo.tokenizer import build_tokenizer
 
 RECIPE_VERSION = 3
@@ -139,8 +140,9 @@ def _family_paths(root: Path) -> FamilyPaths:
 
 
 def _recipe_hash(recipe: Recipe, seed: int) -> str:
-    """Identity of a build: everything that changes the produced weights or data."""
-    ident = {"version": RECIPE_VERSION, "seed": seed, "recipe": asdict(recipe)}
+    """Identity of a build: everything that changes the produced weights or data (the kernel
+    pins included: a family cached under other pins is rebuilt, not reused)."""
+    ident = {"version": RECIPE_VERSION, "seed": seed, "recipe": asdict(recipe), "pins": PINS}
     ident["vocab"] = sorted(build_tokenizer().get_vocab().items())
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 

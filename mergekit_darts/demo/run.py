@@ -53,10 +53,15 @@ console = Console()
 __all__ = ["DemoSettings", "run_demo"]
 
 
-def merge_with_surgery(config_path: Path, out_dir: Path, seed: int, fresh: bool) -> Path:
-    """Run the stock `mergekit-yaml` console script (our startup hook adds the surgery)."""
+def merge_with_surgery(
+    config_path: Path, out_dir: Path, seed: int, fresh: bool, family_key: str = ""
+) -> Path:
+    """Run the stock `mergekit-yaml` console script (our startup hook adds the surgery).
+
+    Cached by the config, the seed and `family_key` (the family's stamp): a rebuilt family
+    (another recipe or other pins, same paths) is merged again."""
     stamp = out_dir.with_name(out_dir.name + ".done")
-    key = digest([config_path.read_text(), seed])
+    key = digest([config_path.read_text(), seed, family_key])
     if not fresh and stamp.is_file() and stamp.read_text() == key and out_dir.is_dir():
         return out_dir
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -164,7 +169,7 @@ def _surgery_run(
     )
     config_path = write_config(config, settings.out / "configs" / f"{name}.yml")
     merged = merge_with_surgery(
-        config_path, settings.out / "merges" / name, settings.seed, settings.fresh
+        config_path, settings.out / "merges" / name, settings.seed, settings.fresh, _stamp(family)
     )
     key = (merged.with_name(merged.name + ".done")).read_text()
     return merged, read_manifest(surgery_dir(merged)), key
