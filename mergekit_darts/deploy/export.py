@@ -260,6 +260,8 @@ def _write_folder(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     weights = {renamed.get(s, s): source.fingerprints[s] for s in source.shards()}
+    if tensors:  # bound like the weights: a surgery file swapped in from another export is refused
+        weights[SURGERY_FILE] = weights_fingerprint(folder / SURGERY_FILE)
     hidden_size = source.manifest.hidden_size
     if task == ROUTED:
         router = source.manifest.router
