@@ -261,6 +261,7 @@ def write_surgery_folder(
     *,
     extra_files: Mapping[str, bytes] | None = None,
     router: Router | None = None,
+    replace: bool = True,
 ) -> Path:
     """Write modules + manifest to ``folder`` atomically (temporary sibling, then rename).
 
@@ -269,7 +270,8 @@ def write_surgery_folder(
     ``extra_files`` (relative name -> bytes: diagnostics, the surgery YAML) land in the same
     staging folder, so they appear together with the modules or not at all.
     ``router`` (with ``manifest.router`` describing it) is written to ``router.safetensors``.
-    An existing ``folder`` is replaced only after the new one is complete.
+    An existing ``folder`` is replaced only after the new one is complete; without ``replace``
+    it is not (``FileExistsError``).
     """
     folder = Path(folder)
     if not isinstance(manifest, Manifest):
@@ -280,7 +282,7 @@ def write_surgery_folder(
     for name in extra_files or {}:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise ValueError(f"extra file {name!r} must be a relative path inside the folder")
-    with staged_folder(folder) as staging:
+    with staged_folder(folder, replace=replace) as staging:
         for name, module in modules.items():
             file = module_file(name)
             manifest.tasks[name].sha256 = _write_tensors(staging / file, module)

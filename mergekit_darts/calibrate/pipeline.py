@@ -55,6 +55,7 @@ from mergekit_darts.config import (
     route_tasks,
 )
 from mergekit_darts.core.router import NONE_CLASS
+from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import Manifest, surgery_dir
 
 PhaseHook = Callable[[str], AbstractContextManager[Any]]
@@ -87,6 +88,7 @@ class PreparedSurgery:
     targets: dict[str, str]  # task name -> local folder or Hub id
     prompts: dict[str, Prompts]
     background: Prompts | None = None  # route.background's prompts (no correction)
+    overwrite: bool = False  # may replace a surgery/ that is there when the run writes its own
 
 
 def prepare_surgery(
@@ -136,7 +138,7 @@ def prepare_surgery(
             background_prompts = read_prompts(background, BACKGROUND_KEY, "the router's background")
             counts[NONE_CLASS] = len(background_prompts.texts)
         check_route_holdout(config, counts)
-    return PreparedSurgery(block, config, tasks, targets, prompts, background_prompts)
+    return PreparedSurgery(block, config, tasks, targets, prompts, background_prompts, overwrite)
 
 
 def _raw_block(surgery_config: SurgeryConfig | Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
@@ -163,6 +165,7 @@ def calibrate(
     """
     started = time.perf_counter()
     merged = Path(merged_path)
+    identity = weights_identity(merged)  # before any capture: the weights the modules will fit
     store = store if store is not None else CaptureStore(prepared.config.cache_dir)
     stats = dataclasses.replace(store.stats)
     captured = capture_tasks(merged, prepared, progress=progress, store=store, on_phase=on_phase)
@@ -186,6 +189,8 @@ def calibrate(
             started=started,
             captures=store.stats.since(stats),
             router=fitted,
+            identity=identity,
+            replace=prepared.overwrite,
         )
 
 
