@@ -121,6 +121,8 @@ def calibration_record(
         **({"template": cal.template} if cal.template else {"field": cal.field or "text"}),
         "num_samples": cal.num_samples,
         "num_prompts": len(prompts.texts),
+        # records whose prompt came earlier in the source: used once (a repeat could be held out)
+        **({"duplicate_records": prompts.duplicates} if prompts.duplicates else {}),
         "max_length": cal.max_length,
         "chat_template": cal.chat_template,
         **({} if continuation_tokens is None else {"continuation_tokens": continuation_tokens}),
