@@ -160,8 +160,13 @@ class Manifest(_Record):
     @field_validator("tasks")
     @classmethod
     def _task_names(cls, tasks: dict[str, TaskEntry]) -> dict[str, TaskEntry]:
-        for name in tasks:
+        for name, entry in tasks.items():
             check_task_name(name)
+            # the writer names each file after its task: an entry may not serve another's module
+            if entry.file not in (None, module_file(name)):
+                raise ValueError(
+                    f"task {name!r} names file {entry.file!r}, not its own {module_file(name)!r}"
+                )
         return tasks
 
     @classmethod

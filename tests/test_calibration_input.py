@@ -119,3 +119,40 @@ def test_held_out_prompts_are_never_training_prompts(tiny_family, tiny_merged, t
     assert calibration["num_prompts"] == 4 and calibration["duplicate_records"] == 6
     assert len(set(calibration["prompt_sha256"])) == 4
     assert entry["held_out"]  # measured on 2 of the 4 distinct prompts
+
+
+# ---- found by the fresh probe ------------------------------------------------------------------
+
+
+def test_a_template_field_that_is_a_list_or_object_is_refused(tmp_path, monkeypatch):
+    """Not the text "Q: [1, 2]" for every record (which the dedupe would then fold into one)."""
+    for value, kind in (([1, 2], "list"), ({"a": 1}, "dict")):
+        (tmp_path / "q.jsonl").write_text(json.dumps({"q": value}) + "\n")
+        message = refused(tmp_path, monkeypatch, {"path": "q.jsonl", "template": "Q: {q}"})
+        assert message == (
+            f"{KEY}.template: field 'q' of line 1 of q.jsonl is a {kind}, not text or a number; "
+            "a template inserts each field as text: point it at text fields"
+        )
+    (tmp_path / "q.jsonl").write_text(json.dumps({"q": 3}) + "\n")  # numbers are fine
+    assert _prompts(tmp_path, monkeypatch, {"path": "q.jsonl", "template": "Q: {q}"}) == ("Q: 3",)
+
+
+def test_prompts_cut_to_one_sequence_are_reported(caplog):
+    """Distinct prompts that max_length cuts to the same tokens: a held-out row would be a
+    trained one."""
+    from tiny import build_tokenizer
+
+    from mergekit_darts.calibrate.data import tokenize_prompts
+
+    texts = ["one two three four cat", "one two three four dog", "five six"]
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        ids = tokenize_prompts(build_tokenizer(), texts, max_length=4, chat_template=False, key="k")
+    assert ids[0] == ids[1] != ids[2]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning == (
+        "k.max_length: the 3 prompts are 2 distinct sequences within their first 4 tokens (the "
+        "part calibration keeps); raise max_length or vary how prompts begin"
+    )
+    caplog.clear()
+    tokenize_prompts(build_tokenizer(), texts, max_length=8, chat_template=False, key="k")
+    assert not caplog.records

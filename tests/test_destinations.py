@@ -66,3 +66,26 @@ def test_a_sweep_output_inside_the_merged_folder_is_refused(spec_file, tmp_path,
     assert message.startswith(f"sweep.output: {merged / where} is inside the merged model folder")
     assert "\n" not in message
     assert listing(merged) == before
+
+
+def test_a_capture_store_inside_surgery_is_refused(tiny_family, calibration_data, merged):
+    """Every calibration replaces surgery/ whole: a cache_dir there would lose its captures."""
+    from mergekit_darts import run_surgery
+
+    block = {
+        "cache_dir": str(merged / "surgery" / "cache"),
+        "tasks": [
+            {
+                "name": "math",
+                "target": str(tiny_family.math),
+                "calibration": {"path": str(calibration_data / "math.jsonl"), "field": "question"},
+            }
+        ],
+    }
+    before = listing(merged)
+    with pytest.raises(SurgeryConfigError) as info:
+        run_surgery(merged, block, overwrite=True, progress=False)
+    message = str(info.value)
+    assert message.startswith(f"surgery.cache_dir: {merged / 'surgery' / 'cache'} is inside")
+    assert "\n" not in message and "choose a folder outside it" in message
+    assert listing(merged) == before

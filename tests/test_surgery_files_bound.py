@@ -171,3 +171,17 @@ def test_a_hand_edited_huge_size_is_refused_before_allocating(merged, key, value
     assert_refused(lambda: load_surgery(surgery, "math"), key, "math.safetensors", "needs")
     if key == "hidden_size":
         assert_refused(lambda: load_routed(surgery), "router", "router.safetensors", "needs")
+
+
+def test_an_entry_naming_another_tasks_file_is_refused(merged):
+    """code's entry pointing at math's file (with math's hash) would serve math's module."""
+    surgery = merged / "surgery"
+    manifest = json.loads((surgery / "manifest.json").read_text())
+    for key in ("file", "sha256"):
+        manifest["tasks"]["code"][key] = manifest["tasks"]["math"][key]
+    (surgery / "manifest.json").write_text(json.dumps(manifest))
+    assert_refused(
+        lambda: load_surgery(surgery, "code"),
+        "load",
+        "tasks: task 'code' names file 'math.safetensors', not its own 'code.safetensors'",
+    )

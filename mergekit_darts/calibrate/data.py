@@ -97,8 +97,9 @@ def _render(record: Any, cal: CalibrationConfig, key: str, where: str) -> str:
         )
     if cal.template is not None:
         for name in _template_fields(cal.template):
-            if name in record and record[name] is None:
-                raise _null_field(f"{key}.template", where, name)
+            value = record.get(name)  # a missing field: format_map's KeyError below names it
+            if name in record and (value is None or isinstance(value, Mapping | list)):
+                raise _unusable_field(f"{key}.template", where, name, value)
         try:
             return cal.template.format_map(record)
         except KeyError as err:
@@ -114,7 +115,7 @@ def _render(record: Any, cal: CalibrationConfig, key: str, where: str) -> str:
         )
     value = record[field]
     if value is None:
-        raise _null_field(f"{key}.field", where, field)
+        raise _unusable_field(f"{key}.field", where, field, value)
     if not isinstance(value, str):
         raise SurgeryConfigError(
             f"{key}.field: field {field!r} of {where} is a {type(value).__name__}, not text; "
@@ -128,10 +129,16 @@ def _template_fields(template: str) -> set[str]:
     return {name for _, name, _, _ in string.Formatter().parse(template) if name}
 
 
-def _null_field(key: str, where: str, name: str) -> SurgeryConfigError:
-    """A prompt would read a null field (as the text "None"): refused, naming the record."""
+def _unusable_field(key: str, where: str, name: str, value: Any) -> SurgeryConfigError:
+    """A prompt would read a null field as the text "None", a list or object as its Python
+    repr: refused, naming the record."""
+    if value is None:
+        return SurgeryConfigError(
+            f"{key}: field {name!r} of {where} is null; fill it in or drop that record"
+        )
     return SurgeryConfigError(
-        f"{key}: field {name!r} of {where} is null; fill it in or drop that record"
+        f"{key}: field {name!r} of {where} is a {type(value).__name__}, not text or a number; "
+        "a template inserts each field as text: point it at text fields"
     )
 
 
@@ -237,6 +244,16 @@ def tokenize_prompts(
         if not ids:
             raise SurgeryConfigError(f"{key}: prompt {index} tokenizes to nothing")
         sequences.append(list(ids))
+    if (distinct := len({tuple(ids) for ids in sequences})) < len(sequences):
+        # the cut made them one sequence: a held-out prompt may be a trained one
+        LOG.warning(
+            "%s.max_length: the %d prompts are %d distinct sequences within their first %d "
+            "tokens (the part calibration keeps); raise max_length or vary how prompts begin",
+            key,
+            len(sequences),
+            distinct,
+            max_length,
+        )
     return sequences
 
 

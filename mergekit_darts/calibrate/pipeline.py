@@ -55,6 +55,8 @@ from mergekit_darts.config import (
     route_tasks,
 )
 from mergekit_darts.core.router import NONE_CLASS
+from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.fs import inside
 from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import Manifest, surgery_dir
 
@@ -112,7 +114,12 @@ def prepare_surgery(
     config = parse_surgery(surgery_config if isinstance(surgery_config, SurgeryConfig) else block)
     tasks = resolve_tasks(config)
     check_output(out_path, overwrite)
-    check_cache_dir(config.cache_dir)
+    cache = check_cache_dir(config.cache_dir)
+    if cache is not None and inside(cache, surgery_dir(out_path)):
+        raise SurgeryConfigError(
+            f"surgery.cache_dir: {cache} is inside {surgery_dir(out_path)}, which every "
+            "calibration replaces whole (the captures would be deleted): choose a folder outside it"
+        )
     for task in tasks:
         calibration_file(task)
     background = config.route.background if config.route is not None else None
