@@ -89,3 +89,51 @@ def test_a_capture_store_inside_surgery_is_refused(tiny_family, calibration_data
     assert message.startswith(f"surgery.cache_dir: {merged / 'surgery' / 'cache'} is inside")
     assert "\n" not in message and "choose a folder outside it" in message
     assert listing(merged) == before
+
+
+def test_a_merge_into_its_own_targets_folder_is_refused_before_merging(
+    tiny_family, calibration_data, tmp_path
+):
+    """`mergekit-yaml cfg ./math` with a task targeting ./math would overwrite the fine-tune."""
+    import inspect
+
+    import mergekit.merge
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+
+    from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
+
+    target = Path(shutil.copytree(tiny_family.math, tmp_path / "math"))
+    config = {
+        "merge_method": "linear",
+        "models": [
+            {"model": str(tiny_family.base), "parameters": {"weight": 0.5}},
+            {"model": str(target), "parameters": {"weight": 0.5}},
+        ],
+        "dtype": "float32",
+        "surgery": {
+            "tasks": [
+                {
+                    "name": "math",
+                    "target": str(target),
+                    "calibration": {
+                        "path": str(calibration_data / "math.jsonl"),
+                        "field": "question",
+                    },
+                }
+            ]
+        },
+    }
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    with pytest.raises(SurgeryConfigError) as info:
+        merge_with_surgery(
+            inspect.unwrap(mergekit.merge.run_merge),
+            MergeConfiguration.model_validate(config),
+            str(target),
+            MergeOptions(quiet=True),
+            yaml.safe_dump(config),
+        )
+    message = str(info.value)
+    assert message.startswith(f"surgery.tasks[0].target: {target} is the merged folder")
+    assert "\n" not in message
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before

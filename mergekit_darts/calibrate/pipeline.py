@@ -14,6 +14,7 @@ its own (the benchmarks time them and track memory peaks).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -135,6 +136,13 @@ def prepare_surgery(
         chat_template_set=chat_template_set,
         background=background,
     )
+    for task in tasks:
+        if Path(os.path.realpath(targets[task.name])) == Path(os.path.realpath(out_path)):
+            raise SurgeryConfigError(
+                f"{task.key}.target: {task.target} is the merged folder {out_path} itself: the "
+                "merge would replace the target's weights, and a model is no target of its own "
+                "correction; write the merge elsewhere or name the fine-tune to recover"
+            )
     prompts = {task.name: load_prompts(task) for task in tasks}
     for task in tasks:
         check_holdout(task, len(prompts[task.name].texts))
