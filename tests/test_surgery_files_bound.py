@@ -13,14 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tiny
 import torch
-import transformers.dynamic_module_utils
+from test_export import modules_cache  # noqa: F401  (the autouse fixture)
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import apply_surgery, load_surgery
@@ -33,26 +33,19 @@ HIDDEN, RANK, MAX_POSITIONS = 64, 4, 12
 SWAPPED = "sha256 differs"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def modules_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """transformers copies trust_remote_code modules here (not into ~/.cache)."""
-    folder = tmp_path_factory.mktemp("hf_modules")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(folder))
-        yield folder
+def write_routed(surgery: Path, seed: int = 0) -> None:
+    """Tasks math and code (one shape) behind a router, every weight random."""
+    kinds = {"math": "pos_corr", "code": "pos_corr"}
+    tiny.write_routed_surgery(
+        surgery, HIDDEN, kinds, rank=RANK, max_positions=MAX_POSITIONS, seed=seed
+    )
 
 
 @pytest.fixture
 def merged(tiny_merged: Path, tmp_path: Path) -> Path:
-    """The tiny merge with a routed surgery/: tasks math and code (one shape) behind a router."""
+    """The tiny merge with a routed surgery/."""
     folder = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
-    tiny.write_routed_surgery(
-        folder / "surgery",
-        HIDDEN,
-        {"math": "pos_corr", "code": "pos_corr"},
-        rank=RANK,
-        max_positions=MAX_POSITIONS,
-    )
+    write_routed(folder / "surgery")
     return folder
 
 
@@ -111,14 +104,7 @@ def test_swapped_module_files_are_refused_by_every_loader(merged, tmp_path):
 
 def test_a_router_file_from_another_run_is_refused(merged, tmp_path):
     surgery = merged / "surgery"
-    tiny.write_routed_surgery(
-        tmp_path / "other",
-        HIDDEN,
-        {"math": "pos_corr", "code": "pos_corr"},
-        rank=RANK,
-        max_positions=MAX_POSITIONS,
-        seed=7,
-    )
+    write_routed(tmp_path / "other", seed=7)
     shutil.copyfile(tmp_path / "other" / "router.safetensors", surgery / "router.safetensors")
     for name, load in loaders(merged, tmp_path / "dest", "routed").items():
         assert_refused(load, name, SWAPPED, "router.safetensors", "the router")

@@ -18,9 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_identity import merge
-from test_merge_step import BIN, ONE_TASK, env, hooked_merge, merge_yaml
-from test_merge_step import workdir as workdir_fixture  # noqa: F401  (pytest finds "workdir")
+from test_identity import merge, one_task_block
+from test_merge_step import (  # noqa: F401  (workdir: a fixture)
+    BIN,
+    ONE_TASK,
+    env,
+    hooked_merge,
+    merge_yaml,
+    workdir,
+)
 
 from mergekit_darts import load_surgery, run_surgery
 from mergekit_darts.calibrate import pipeline
@@ -34,22 +40,7 @@ def test_weights_replaced_during_training_are_refused_at_write_time(
     tiny_family, calibration_data, tmp_path
 ):
     out = merge(tiny_family, tmp_path / "merged")
-    block = {
-        "steps": 2,
-        "batch_size": 4,
-        "tasks": [
-            {
-                "name": "math",
-                "target": str(tiny_family.math),
-                "calibration": {
-                    "path": str(calibration_data / "math.jsonl"),
-                    "field": "question",
-                    "num_samples": 4,
-                    "max_length": 16,
-                },
-            }
-        ],
-    }
+    block = one_task_block(tiny_family, calibration_data)
 
     def remerge_while_training(phase: str) -> Any:
         if phase == "train":  # captured already: a second merge lands other weights
@@ -62,9 +53,16 @@ def test_weights_replaced_during_training_are_refused_at_write_time(
     assert not (out / "surgery").exists()
 
 
-def run_during_training(monkeypatch: pytest.MonkeyPatch, command: list[str], cwd: Path) -> list:
-    """Run ``command`` to its end when the first task starts training (once); returns a list that
-    then holds its CompletedProcess."""
+def second_run_during_training(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> tuple[Path, list]:
+    """B: the stock ``mergekit-yaml`` of ``method`` with a 3-step block into ``tmp_path/out`` (paths
+    relative to ``root``, a ``workdir``), run to its end when the first task of A (run in this
+    process) starts training. Returns the folder and a list that then holds B's CompletedProcess."""
+    monkeypatch.chdir(root)
+    out = tmp_path / "out"
+    (tmp_path / "b.yml").write_text(merge_yaml(method, {**ONE_TASK, "steps": 3}))
+    command = [str(BIN / "mergekit-yaml"), str(tmp_path / "b.yml"), str(out)]
     done: list[subprocess.CompletedProcess] = []
     train_task = pipeline.train_task
 
@@ -72,25 +70,19 @@ def run_during_training(monkeypatch: pytest.MonkeyPatch, command: list[str], cwd
         if not done:
             done.append(
                 subprocess.run(
-                    command, cwd=cwd, env=env(), capture_output=True, text=True, timeout=600
+                    command, cwd=root, env=env(), capture_output=True, text=True, timeout=600
                 )
             )
         return train_task(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "train_task", interleaved)
-    return done
+    return out, done
 
 
-def test_two_mergekit_yaml_runs_into_one_folder(workdir, tmp_path, monkeypatch):
+def test_two_mergekit_yaml_runs_into_one_folder(workdir, tmp_path, monkeypatch):  # noqa: F811
     """A (task_arithmetic) trains while B (linear, other weights) merges and calibrates into the
     same out/: B's surgery stays with B's weights, A stops with one line."""
-    monkeypatch.chdir(workdir)
-    out = tmp_path / "out"
-    other = {**ONE_TASK, "steps": 3}
-    (tmp_path / "b.yml").write_text(merge_yaml("linear", other))
-    done = run_during_training(
-        monkeypatch, [str(BIN / "mergekit-yaml"), str(tmp_path / "b.yml"), str(out)], workdir
-    )
+    out, done = second_run_during_training(workdir, tmp_path, monkeypatch, "linear")
     with pytest.raises(SurgeryRunError, match=CHANGED) as info:
         hooked_merge(out, "task_arithmetic", ONE_TASK)
     assert done[0].returncode == 0, done[0].stderr[-3000:]
@@ -102,17 +94,13 @@ def test_two_mergekit_yaml_runs_into_one_folder(workdir, tmp_path, monkeypatch):
 
 
 def test_a_surgery_written_meanwhile_is_not_replaced_without_the_flag(
-    workdir, tmp_path, monkeypatch
+    workdir,  # noqa: F811
+    tmp_path,
+    monkeypatch,
 ):
     """B merges the same weights as A and calibrates first: A, run without an overwrite flag,
     finds B's surgery/ at write time and leaves it."""
-    monkeypatch.chdir(workdir)
-    out = tmp_path / "out"
-    other = {**ONE_TASK, "steps": 3}
-    (tmp_path / "b.yml").write_text(merge_yaml("task_arithmetic", other))
-    done = run_during_training(
-        monkeypatch, [str(BIN / "mergekit-yaml"), str(tmp_path / "b.yml"), str(out)], workdir
-    )
+    out, done = second_run_during_training(workdir, tmp_path, monkeypatch, "task_arithmetic")
     with pytest.raises(SurgeryRunError, match="appeared while calibrating") as info:
         hooked_merge(out, "task_arithmetic", ONE_TASK)
     assert done[0].returncode == 0, done[0].stderr[-3000:]
