@@ -18,7 +18,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from mergekit_darts.core.modules import SurgeryModule, build_module
+from mergekit_darts.core.correction import StateMismatch, load_state, state_shapes
+from mergekit_darts.core.modules import SurgeryModule
 from mergekit_darts.core.router import RoutedSurgery, Router
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.fs import staged_folder
@@ -37,8 +38,7 @@ from mergekit_darts.routing import ROUTED
 
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
     """Tensor names and shapes of a module, from a fresh instance (one source of truth)."""
-    module = build_module(kind, hidden_size, rank, max_positions)
-    return {name: tuple(t.shape) for name, t in sorted(module.state_dict().items())}
+    return state_shapes(SurgeryModule(kind, hidden_size, rank, max_positions).state_dict())
 
 
 def read_manifest(folder: str | Path) -> Manifest:
@@ -135,7 +135,7 @@ def _load_module(folder: Path, manifest: Manifest, task: str) -> SurgeryModule:
     except (SafetensorError, OSError) as err:
         raise SurgeryFormatError(f"{file} is not a readable safetensors file ({err})") from err
     try:
-        module = build_module(kind, hidden_size, rank, max_positions)
+        module = SurgeryModule(kind, hidden_size, rank, max_positions)
     except ValueError as err:
         raise SurgeryFormatError(f"manifest entry of task {task!r}: {err}") from err
     described = (
@@ -150,12 +150,12 @@ def _load_checked(
 ) -> Any:
     """``module`` with ``tensors`` (from ``file``) loaded as float32, once their names and shapes
     are exactly its own; else one line saying what ``described`` needs."""
-    expected = {name: tuple(t.shape) for name, t in sorted(module.state_dict().items())}
-    found = {name: tuple(t.shape) for name, t in sorted(tensors.items())}
-    if found != expected:
-        raise SurgeryFormatError(f"{file} holds tensors {found}, but {described} needs {expected}")
-    module.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
-    return module
+    try:
+        return load_state(module, tensors)
+    except StateMismatch as err:
+        raise SurgeryFormatError(
+            f"{file} holds tensors {err.found}, but {described} needs {err.expected}"
+        ) from None
 
 
 def load_routed(folder: str | Path, *, weights: str | Path | None = None) -> RoutedSurgery:

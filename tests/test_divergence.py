@@ -73,8 +73,8 @@ def test_divergence_compares_the_loss_over_every_training_token(
     """loss_start / loss_end against l1 computed here from the captures (the module is the identity at init)."""
     from mergekit_darts.calibrate.pipeline import capture_tasks, prepare_surgery
     from mergekit_darts.calibrate.train import DIVERGENCE_FACTOR, TrainSettings, train_surgery
+    from mergekit_darts.core.correction import token_positions
     from mergekit_darts.core.modules import build_module
-    from mergekit_darts.deploy.modeling_darts import token_positions
 
     block = _block(tiny_family, calibration_data) | {"cache_dtype": "float32"}
     prepared = prepare_surgery(block, reference=str(merged), reference_label="m", out_path=merged)

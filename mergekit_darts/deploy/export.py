@@ -37,8 +37,10 @@ from mergekit_darts.artifacts import (
     read_manifest,
     resolve_task,
 )
+from mergekit_darts.core import correction
 from mergekit_darts.deploy import LINKS, modeling_darts
 from mergekit_darts.deploy.modeling_darts import (
+    CORRECTION_FILE,
     MODEL_TYPE,
     PREFIX,
     SURGERY_FILE,
@@ -53,6 +55,8 @@ from mergekit_darts.manifest import RECIPE, surgery_dir
 from mergekit_darts.routing import ROUTED
 
 MODELING_FILE = Path(modeling_darts.__file__)
+# the shipped file, and the correction it imports relatively under the name it imports
+SHIPPED_FILES = {MODELING_FILE.name: MODELING_FILE, CORRECTION_FILE: Path(correction.__file__)}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # transformers prefers model.safetensors over the index, which would skip the surgery tensors:
@@ -286,7 +290,8 @@ def _write_folder(
             weights=weights,
         )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
+    for name, file in SHIPPED_FILES.items():
+        shutil.copyfile(file, folder / name)
     (folder / "README.md").write_text(model_card(source, task, shown), encoding="utf-8")
 
 
