@@ -29,7 +29,6 @@ from mergekit_darts.manifest import (
     MANIFEST,
     ROUTER,
     SURGERY_YAML,
-    VERSION,
     Manifest,
     module_file,
 )
@@ -53,13 +52,8 @@ def read_manifest(folder: str | Path) -> Manifest:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise SurgeryFormatError(f"{path} is not valid JSON ({err}); re-run the surgery") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or "format" not in manifest:  # its value: Manifest's
         raise SurgeryFormatError(f"{path} is not a {FORMAT!r} manifest")
-    if manifest.get("version") != VERSION:
-        raise SurgeryFormatError(
-            f"{path} has format version {manifest.get('version')!r}, this package reads version "
-            f"{VERSION}: upgrade mergekit-darts or re-run the surgery"
-        )
     if not isinstance(manifest.get("tasks"), dict) or not manifest["tasks"]:
         raise SurgeryFormatError(f"{path} lists no surgery tasks")
     return Manifest.from_dict(manifest, where=str(path))

@@ -56,6 +56,7 @@ def test_layer_imports_without_what_comes_after_it(package, forbidden):
 LAYERS = [
     (
         "core.correction",
+        "core.spec",
         "deploy.darts_correction",
         "errors",
         "envflags",

@@ -20,7 +20,13 @@ from pydantic import (
 )
 
 from mergekit_darts.core.losses import LOSSES
-from mergekit_darts.core.modules import MODULE_KINDS
+from mergekit_darts.core.spec import (
+    DEFAULT_MAX_POSITIONS,
+    DEFAULT_MODULE,
+    DEFAULT_RANK,
+    ModuleKind,
+    PositiveInt,
+)
 from mergekit_darts.routing import check_task_name
 
 CALIBRATION_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
@@ -33,12 +39,10 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
-PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_not_bool)]
 NonNegativeFloat = Annotated[float, Field(ge=0), BeforeValidator(_not_bool)]
 Fraction = Annotated[float, Field(gt=0, lt=1), BeforeValidator(_not_bool)]
-ModuleKind = Literal[MODULE_KINDS]
 LossName = Literal[LOSSES]
 LossPositions = Literal["all", "completion"]
 CacheDtype = Literal["bfloat16", "float16", "float32"]
@@ -142,10 +146,10 @@ class RouteConfig(StrictBlock):
 class SurgeryConfig(StrictBlock):
     """The whole block; the training settings here are defaults every task may override."""
 
-    module: ModuleKind = "pos_corr"
+    module: ModuleKind = DEFAULT_MODULE
     loss: LossName = "ewl1"
-    rank: PositiveInt = 16
-    max_positions: PositiveInt = 512
+    rank: PositiveInt = DEFAULT_RANK
+    max_positions: PositiveInt = DEFAULT_MAX_POSITIONS
     steps: PositiveInt = 500
     lr: PositiveFloat = 1e-3
     batch_size: PositiveInt = 8
@@ -161,6 +165,11 @@ class SurgeryConfig(StrictBlock):
     select: SelectConfig | None = None
     route: RouteConfig | None = None  # one gate over the tasks (calibrate.route)
     tasks: list[TaskConfig] = Field(min_length=1)
+
+
+def default(key: str) -> Any:
+    """The block's default for ``key`` (one place: the training code's defaults read it too)."""
+    return SurgeryConfig.model_fields[key].default
 
 
 # The per-task training settings, in one list: a task or a select candidate may set each of them,

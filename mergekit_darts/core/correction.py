@@ -118,7 +118,7 @@ class DartsSurgery(_Float32):
     (the shape a checkpoint fills); :meth:`reset_parameters` gives the training initialisation.
     """
 
-    def __init__(self, kind: str, hidden_size: int, rank: int = 16, max_positions: int = 512):
+    def __init__(self, kind: str, hidden_size: int, rank: int, max_positions: int):
         super().__init__()
         if kind not in MODULE_KINDS:
             raise ValueError(

@@ -11,12 +11,17 @@ import torch
 
 from mergekit_darts.core.correction import MODULE_KINDS
 from mergekit_darts.core.correction import DartsSurgery as SurgeryModule
+from mergekit_darts.core.spec import DEFAULT_MAX_POSITIONS, DEFAULT_RANK
 
 __all__ = ["MODULE_KINDS", "SurgeryModule", "build_module"]
 
 
 def build_module(
-    kind: str, hidden_size: int, rank: int = 16, max_positions: int = 512, seed: int | None = None
+    kind: str,
+    hidden_size: int,
+    rank: int = DEFAULT_RANK,
+    max_positions: int = DEFAULT_MAX_POSITIONS,
+    seed: int | None = None,
 ) -> SurgeryModule:
     """A fresh float32 module, the identity until trained; with ``seed`` its initial weights do
     not depend on the global RNG."""

@@ -269,23 +269,17 @@ def _write_folder(
         router = source.manifest.router
         entries = [(name, source.manifest.tasks[name]) for name in router.tasks]
         routed = {
-            "tasks": [
-                {"name": n, "module": e.module, "rank": e.rank, "max_positions": e.max_positions}
-                for n, e in entries
-            ],
+            "tasks": [{"name": n, **e.module_fields()} for n, e in entries],
             "background": router.background,
         }
         config = export_config(
             source.config, hidden_size=hidden_size, routed=routed, weights=weights
         )
     else:
-        entry = source.manifest.tasks[task]
         config = export_config(
             source.config,
             task=task,
-            module=entry.module,
-            rank=entry.rank,
-            max_positions=entry.max_positions,
+            **source.manifest.tasks[task].module_fields(),
             hidden_size=hidden_size,
             weights=weights,
         )
