@@ -126,6 +126,6 @@ def test_the_head_called_outside_a_forward_call_is_left_alone(
 
 
 def test_an_export_is_not_corrected_twice(model: Any, surgery: Path) -> None:
-    model.darts_surgery = DartsSurgery("none", model.config.hidden_size)  # what an export carries
+    model.darts_surgery = DartsSurgery("none", model.config.hidden_size, RANK, MAX_POSITIONS)
     with pytest.raises(ValueError, match="is a DARTS export that applies its own surgery"):
         apply_surgery(model, surgery, "math")
