@@ -65,14 +65,15 @@ def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def random_module(
-    kind: str, hidden_size: int, rank: int, max_positions: int, seed: int
+    kind: str, hidden_size: int, rank: int, max_positions: int, seed: int, scale: float = 0.3
 ) -> SurgeryModule:
-    """A surgery module with every weight random and non-zero, so the correction is visible."""
+    """A surgery module with every weight random and non-zero, so the correction is visible
+    (weights of standard deviation ``scale``)."""
     module = build_module(kind, hidden_size, rank, max_positions, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in module.parameters():
-            param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+            param.copy_(scale * torch.randn(param.shape, generator=generator))
     return module.eval()
 
 
@@ -97,11 +98,13 @@ def write_routed_surgery(
     rank: int = 4,
     max_positions: int = 10,
     seed: int = 0,
+    scale: float = 0.3,
 ) -> dict[str, SurgeryModule]:
-    """``folder`` (a ``surgery/`` folder) with one random module per task (name -> kind) and a
-    random router over all of them; returns the modules by task name."""
+    """``folder`` (a ``surgery/`` folder) with one random module per task (name -> kind), weights
+    of standard deviation ``scale``, and a random router over all of them; returns the modules by
+    task name."""
     modules = {
-        name: random_module(kind, hidden_size, rank, max_positions, seed=seed + i)
+        name: random_module(kind, hidden_size, rank, max_positions, seed=seed + i, scale=scale)
         for i, (name, kind) in enumerate(kinds.items(), start=1)
     }
     router = random_router(hidden_size, list(kinds), background, seed=seed)

@@ -1,73 +1,64 @@
-"""vLLM serving exports of the real SmolLM2-135M-Instruct merge (`make test-real`, marker `real`).
+"""vLLM serving a ``--routed`` export of the real SmolLM2-135M-Instruct (`make test-real`).
 
-The merge and its routed surgery block are tests/real.py's (stock ``mergekit-yaml``); the
-``math`` (pos_corr) and ``--routed`` exports are made by the ``mergekit-darts export`` command.
-Each engine's prompt and generated log-probs (the top 20 per position vLLM returns) and its greedy
-tokens are compared with the merge in float64, corrected by the module formulas written here,
-through the model's own tied head, on chat-template prompts batched together, one of them running
-past max_positions.
+The pretrained model (mergekit_darts.demo.smollm2) gets a random routed surgery (the routed
+fixture's tasks: pos_corr, none and standard modules, background, every weight non-zero and small), is
+exported by the ``mergekit-darts export --routed`` command and served by ``LLM(model=DEST)``: one
+engine, chat-template prompts batched together, one shorter and the others longer than
+max_positions. Greedy tokens and the top-20 prompt and generated log-probs per position are
+compared with the float64 reference of the routed formula through the model's own tied head. The
+merge, calibration, ``hf-darts`` and the single-task export on the real model are in
+tests/test_real.py (no vLLM needed there).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-from real import BIN, KINDS, MAX_POSITIONS, RealMerge, build_real_merge, chat
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import BIN, MAX_POSITIONS, RANK, ROUTED_KINDS, Exported, routed_float64_reference
+from real import chat
+from tiny import write_routed_surgery
+from transformers import AutoConfig, AutoTokenizer
 
-from mergekit_darts.routing import ROUTED
+from mergekit_darts.artifacts import load_routed
+from mergekit_darts.demo.smollm2 import smollm2_folder
 
 pytestmark = pytest.mark.real
-TOP = 20  # log-probs per position: the full 49,152 would make every request slow
-# float32 through 30 real layers (outlier dimensions reach hundreds) against float64: measured
-# largest error about TODO
-TOL = 2e-3
+# module weights' standard deviation: the tiny fixtures' 0.3 swamps the real hidden states, and
+# float32 log-probs of logits that large were 9.9e-4 off the float64 ones
+SCALE = 0.03
+TOP = 20  # log-probs per position: all 49,152 would make every request slow
+# float32 through 30 real layers (activations up to a few hundred) against float64: the tiny
+# models' 1e-5 does not hold; measured largest error 5.1e-5 here
+TOL = 5e-4
 PROMPTS = [
     "What is 17 + 25?",
-    "What does this print? x = 3; print(x * 7)",
+    "What does this Python code print? x = 3; print(x * 7)",
     "Summarise: " + "the river runs past the old mill and the bridge, " * 6,
 ]
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> RealMerge:
-    return build_real_merge(tmp_path_factory.mktemp("real"))
-
-
-def float64_reference(real: RealMerge, task: str):
-    """token ids -> [T, V] float64 log-probs with ``task``'s correction (or the routed one)."""
-    model = AutoModelForCausalLM.from_pretrained(real.merged, dtype=torch.float64).eval()
-    head = model.get_output_embeddings().weight  # the embedding: the head is tied
-    assert head is model.get_input_embeddings().weight
-    surgery = real.merged / "surgery"
-    states = {name: load_file(surgery / f"{name}.safetensors") for name in KINDS}
-    router = load_file(surgery / "router.safetensors")
-
-    def correction(name: str, h: torch.Tensor) -> torch.Tensor:
-        state = {k: v.double() for k, v in states[name].items()}
-        c = torch.relu(h @ state["down.weight"].T) @ state["up.weight"].T
-        if "position_bias" in state:
-            p = torch.arange(h.shape[0])
-            rows = state["position_bias"][p.clamp(max=MAX_POSITIONS - 1)]
-            c = c + rows * (p < MAX_POSITIONS).double().unsqueeze(-1)
-        return c
-
-    def run(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            h = model.base_model(torch.tensor([ids])).last_hidden_state[0]
-        if task == ROUTED:  # gate over the tasks, in block order, plus a last "none" class
-            gate = torch.softmax(h @ router["weight"].double().T + router["bias"].double(), -1)
-            total = sum(gate[:, k : k + 1] * correction(n, h) for k, n in enumerate(KINDS))
-            h_hat = h - total
-        else:
-            h_hat = h - correction(task, h)
-        return torch.log_softmax(h_hat @ head.T, dim=-1)
-
-    return run
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    root = tmp_path_factory.mktemp("real_vllm")
+    base = smollm2_folder()
+    merged = Path(shutil.copytree(base, root / "merged", copy_function=os.symlink))
+    hidden = AutoConfig.from_pretrained(merged).hidden_size
+    write_routed_surgery(
+        merged / "surgery",
+        hidden,
+        ROUTED_KINDS,
+        rank=RANK,
+        max_positions=MAX_POSITIONS,
+        scale=SCALE,
+    )
+    dest = root / "routed"
+    subprocess.run([BIN / "mergekit-darts", "export", merged, "--routed", dest], check=True)
+    vocab = AutoConfig.from_pretrained(merged).vocab_size
+    return Exported(merged, dest, load_routed(merged / "surgery"), vocab)
 
 
 def check(output, reference) -> float:
@@ -79,25 +70,22 @@ def check(output, reference) -> float:
     assert list(generated.token_ids) == ref[n - 1 : len(ids) - 1].argmax(-1).tolist()
     rows = [*output.prompt_logprobs[1:], *generated.logprobs]  # what predicts ids[1:]
     assert len(rows) == len(ids) - 1
-    error = 0.0
-    for i, row in enumerate(rows):
-        for token, logprob in row.items():
-            error = max(error, abs(logprob.logprob - float(ref[i, token])))
-    return error
+    return max(
+        abs(logprob.logprob - float(ref[i, token]))
+        for i, row in enumerate(rows)
+        for token, logprob in row.items()
+    )
 
 
-@pytest.mark.parametrize("task", ["math", ROUTED])
-def test_vllm_serves_the_real_export(real: RealMerge, task: str, tmp_path: Path) -> None:
+def test_vllm_serves_the_real_routed_export(exported: Exported) -> None:
     from vllm import LLM, SamplingParams
 
-    dest = tmp_path / "export"
-    option = ["--routed"] if task == ROUTED else ["--task", task]
-    subprocess.run([BIN / "mergekit-darts", "export", real.merged, *option, dest], check=True)
-    tokenizer = AutoTokenizer.from_pretrained(real.merged)
+    tokenizer = AutoTokenizer.from_pretrained(exported.merged)
     prompts = [chat(tokenizer, p) for p in PROMPTS]
-    assert len(tokenizer(prompts[-1])["input_ids"]) > MAX_POSITIONS
+    lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    assert min(lengths) < MAX_POSITIONS < max(lengths)
     llm = LLM(
-        model=str(dest),
+        model=str(exported.dest),
         dtype="float32",
         enforce_eager=True,
         block_size=32,
@@ -112,7 +100,9 @@ def test_vllm_serves_the_real_export(real: RealMerge, task: str, tmp_path: Path)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del llm
-    reference = float64_reference(real, task)
+    reference = routed_float64_reference(exported)
     error = max(check(output, reference) for output in outputs)
-    print(f"{task}: largest log-prob error vs the float64 reference: {error:.2e}")
+    print(f"largest log-prob error vs the float64 reference: {error:.2e}")
     assert error < TOL
+    plain = reference(list(outputs[2].prompt_token_ids), surgery=False)
+    assert (plain - reference(list(outputs[2].prompt_token_ids))).abs().max() > 1e-2
