@@ -220,3 +220,24 @@ def test_export_generates_what_apply_surgery_generates(
         with apply_surgery(reference, real.merged / "surgery", task):
             assert torch.equal(generate(ours), generate(reference)), task
     assert ours.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_a_bfloat16_export_keeps_the_surgery_float32_and_the_head_tied(
+    exported: dict[str, Path], batch: dict[str, torch.Tensor]
+) -> None:
+    """The real model in bfloat16 (what a GPU user loads): the surgery stays float32, the head
+    stays tied, and next-token predictions stay those of float32 on nearly every token."""
+    full = AutoModelForCausalLM.from_pretrained(exported["math"], trust_remote_code=True).eval()
+    half = AutoModelForCausalLM.from_pretrained(
+        exported["math"], trust_remote_code=True, dtype=torch.bfloat16
+    ).eval()
+    assert half.lm_head.weight is half.model.embed_tokens.weight
+    assert half.lm_head.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in half.darts_surgery.parameters())
+    real_tokens = batch["attention_mask"].bool()
+    with torch.no_grad():
+        want = full(**batch).logits[real_tokens]
+        got = half(**batch).logits[real_tokens].float()
+    agreement = (want.argmax(-1) == got.argmax(-1)).double().mean()
+    print(f"bfloat16 vs float32: top-1 agreement {agreement:.3f}")
+    assert agreement > 0.9
