@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from tiny import routed_merge_recipe
 
 from mergekit_darts.demo.smollm2 import smollm2_folder
 
@@ -29,7 +30,7 @@ PERTURBED_LAYERS = range(26, 30)  # of 30
 NOISE = 0.3  # times each perturbed matrix's own standard deviation
 KINDS = {"math": "pos_corr", "code": "standard"}
 RANK, MAX_POSITIONS = 8, 64  # test prompts run past 64 tokens: b_p = 0 there is exercised
-WEIGHT = 0.5  # task arithmetic weight of each expert
+WEIGHT = 0.5  # task arithmetic weight of each expert (tiny.routed_merge_recipe's)
 N_PROMPTS = 16  # calibration prompts per task and of background
 
 
@@ -89,34 +90,8 @@ def build_real_merge(root: Path) -> RealMerge:
         "max_length": 64,
         "num_samples": N_PROMPTS,
     }
-    recipe = {
-        "merge_method": "task_arithmetic",
-        "base_model": str(base),
-        "models": [
-            {"model": str(path), "parameters": {"weight": WEIGHT}} for path in experts.values()
-        ],
-        "dtype": "float32",
-        "surgery": {
-            "steps": 40,
-            "lr": 1e-2,
-            "rank": RANK,
-            "max_positions": MAX_POSITIONS,
-            "cache_dtype": "float32",
-            "route": {
-                "holdout": 0.25,
-                "background": {"path": str(root / "general.jsonl"), **calibration},
-            },
-            "tasks": [
-                {
-                    "name": name,
-                    "target": str(experts[name]),
-                    "module": kind,
-                    "calibration": {"path": str(root / f"{name}.jsonl"), **calibration},
-                }
-                for name, kind in KINDS.items()
-            ],
-        },
-    }
+    surgery = dict(steps=40, lr=1e-2, rank=RANK, max_positions=MAX_POSITIONS)
+    recipe = routed_merge_recipe(base, root, KINDS, calibration, cache_dtype="float32", **surgery)
     (root / "merge.yml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     merged = root / "merged"
     subprocess.run([BIN / "mergekit-yaml", root / "merge.yml", merged], check=True)

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from lm_eval.api.instance import Instance
 from real import (
     KINDS,
     MAX_POSITIONS,
@@ -31,6 +30,7 @@ from real import (
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_export import logits_without_darts, modules_cache  # noqa: F401  (autouse fixture)
+from test_hf_darts import instance
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_eval_darts.model import DartsHFLM
@@ -147,10 +147,7 @@ def test_hf_darts_equals_apply_surgery_and_a_float64_reference(
     state = module_state(real, "math")
     head = plain.get_output_embeddings().weight.detach().double()
     pairs = [(chat(tokenizer, "What is 17 + 25?"), "42"), (chat(tokenizer, LONG), "The river")]
-    requests = [
-        Instance("loglikelihood", doc={}, arguments=pair, idx=i, metadata=("real", i, 1))
-        for i, pair in enumerate(pairs)
-    ]
+    requests = [instance("loglikelihood", pair, "real", i) for i, pair in enumerate(pairs)]
     for (context, continuation), (logprob, _) in zip(
         pairs, lm.loglikelihood(requests), strict=True
     ):

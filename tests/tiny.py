@@ -7,6 +7,7 @@ differs from each expert (the surgery has something to correct) while all share 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -174,3 +175,38 @@ PROMPTS = [
     "question : nine minus four is",
     "def mul ( k , l ) : return k times l",
 ]
+
+
+def routed_merge_recipe(
+    base: Path,
+    root: Path,
+    kinds: dict[str, str],
+    calibration: dict[str, Any],
+    **surgery: Any,
+) -> dict[str, Any]:
+    """The merge YAML (as a dict) of a routed test family under ``root``: the experts
+    ``root/<name>`` merged with ``base`` by task arithmetic (weight 0.5 each) with one surgery
+    block, one task per expert (name -> module kind) calibrated on ``root/<name>.jsonl``, routed
+    with background ``root/general.jsonl``; ``surgery`` adds training settings."""
+    return {
+        "merge_method": "task_arithmetic",
+        "base_model": str(base),
+        "models": [{"model": str(root / name), "parameters": {"weight": 0.5}} for name in kinds],
+        "dtype": "float32",
+        "surgery": {
+            **surgery,
+            "route": {
+                "holdout": 0.25,
+                "background": {"path": str(root / "general.jsonl"), **calibration},
+            },
+            "tasks": [
+                {
+                    "name": name,
+                    "target": str(root / name),
+                    "module": kind,
+                    "calibration": {"path": str(root / f"{name}.jsonl"), **calibration},
+                }
+                for name, kind in kinds.items()
+            ],
+        },
+    }
