@@ -29,7 +29,7 @@ from real import (
 )
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_export import logits_without_darts, modules_cache  # noqa: F401  (autouse fixture)
+from test_export import logits_without_darts
 from test_hf_darts import instance
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
