@@ -37,7 +37,8 @@ BAD_SELECT = [
     (
         "unknown metric",
         block(select=select(metric="accuracy")),
-        "surgery.select.metric: 'accuracy' is not allowed; choose one of agreement, kl or rho_l1",
+        "surgery.select.metric: 'accuracy' is not allowed; choose one of agreement, kl, rho_l1, "
+        "completion_match, completion_agreement or completion_rho_l1",
     ),
     ("unknown select key", block(select=select(folds=5)), "surgery.select.folds: unknown key"),
     (
@@ -122,6 +123,7 @@ def test_task_values_win_over_the_block_and_candidates_inherit_the_task():
         c.holdout == 0.2 and c.select.metric == "kl" and c.select_key == "surgery.tasks[2].select"
     )
     assert [(x.module, x.loss, x.rank) for x in a.candidates()] == [
+        ("none", "l1", 4),  # the verdict's baseline, always a candidate
         ("standard", "l1", 4),
         ("pos_corr", "l1", 4),
         ("pos_corr", "ewl1", 4),
