@@ -271,7 +271,7 @@ def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> 
         "selection by each metric would keep, the best single fixed variant of the merge, and "
         "the per-domain oracle (best variant of each domain).",
         "",
-        "| merge | calibration | select (agreement), measured | by agreement | by KL | by ρ_L1 "
+        "| merge | calibration | select (verdict), measured | by agreement | by KL | by ρ_L1 "
         "| by completion agreement | best fixed | oracle |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

@@ -343,7 +343,7 @@ def print_summary(manifest: Manifest, console: Console | None = None) -> None:
         console.print(_selection_table(selecting))
     for task, entry in tasks.items():
         if line := _verdict_line(task, entry, card=False):
-            console.print(line, markup=False, highlight=False)
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     if manifest.router is not None:
         console.print(_router_table(manifest.router))
 
