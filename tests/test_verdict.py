@@ -311,3 +311,12 @@ def test_the_verdict_is_one_line_in_manifest_summary_and_card(verdict_run, capsy
     assert f"math: {line}" in (merged / "README.md").read_text()
     print_summary(Manifest.model_validate(manifest), Console(width=400))
     assert f"math: {line}" in capsys.readouterr().out
+
+
+def test_only_diverged_corrections_keep_the_merge_and_say_why():
+    entries = [
+        _entry("none", None, [0, 1]),
+        {**_entry("standard", "l1", [1, 1]), "diverged": "NaN"},
+    ]
+    chosen, line = decide(entries, ["none", "standard + l1"], "completion_match", 0.05)
+    assert (chosen, line) == (0, "kept no correction: every correction's training diverged")

@@ -60,7 +60,7 @@ class TaskRun:
     held_rows: torch.Tensor | None = None  # sequences held out from training
     held_out: dict[str, Any] | None = None  # manifest `held_out`
     selection: dict[str, Any] | None = None  # manifest `selection`
-    verdict: HeldOutCompletions | None = None  # the held-out prompts completed by the target
+    held_completions: HeldOutCompletions | None = None  # held-out prompts + target completions
 
     def loss_mask(self, task: ResolvedTask | None = None) -> torch.Tensor:
         """[N, T] bool on the CPU: the real tokens the loss and rho_L1 cover."""
@@ -157,7 +157,9 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
     """Every candidate on the training rows, scored on the held-out rows; returns the best.
 
     The score covers the task's loss positions; with completions each candidate is also
-    measured on the completion tokens alone (recorded, not used for the choice). A candidate
+    measured on the completion tokens alone (recorded, not used for the choice). With a verdict
+    metric the choice is :func:`~mergekit_darts.calibrate.verdict.decide`'s, on the target's
+    completions of the held-out prompts (``none`` unless a correction passes). A candidate
     whose training diverged is left out of the choice, with a warning and its reason recorded
     as ``diverged`` in its manifest entry (its numbers are null); if every one did, the run stops.
     """
@@ -191,8 +193,8 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
                 result.module, run.merged, run.target, completion
             ).summary()
         entry = {**settings_of(candidate), "held_out": held, "final_loss": result.final_loss}
-        if run.verdict is not None:
-            entry["verdict"] = completion_scores(result.module, run.verdict)
+        if run.held_completions is not None:
+            entry["verdict"] = completion_scores(result.module, run.held_completions)
             held.update({name: mean(values) for name, values in entry["verdict"].items()})
         entries.append(entry)
     if all("diverged" in e for e in entries):
@@ -203,7 +205,7 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
             "model and any existing surgery/ folder are unchanged"
         )
     verdict = None
-    if run.verdict is None:
+    if run.held_completions is None:
         chosen = choose([e["held_out"][select.metric] for e in entries], select.metric)
     else:
         labels = [candidate_label(e, entries) for e in entries]

@@ -290,8 +290,10 @@ def capture_tasks(
         run.target, run.merged = cal.target, cal.merged
         run.timings.update(cal.timings)
         if run.task.name in verdicts:
-            run.verdict = _held_out_completions(verdicts[run.task.name], eos)
-            for name, seconds in verdicts[run.task.name].timings.items():
+            held = verdicts[run.task.name]
+            run.held_completions = _held_out_completions(held, eos)
+            load_merged_s += held.timings.pop("load_merged_s", 0.0)
+            for name, seconds in held.timings.items():
                 run.timings[name] = run.timings.get(name, 0.0) + seconds
     return CapturedTasks(runs, runtime, load_merged_s, background and background.merged)
 

@@ -156,7 +156,11 @@ def decide(
     name = NAMES[metric]
     base_mean = mean(baseline)
     if not tried:
-        return none, "kept no correction: no correction was trained (or every one diverged)"
+        corrections = any(e["module"] != "none" for e in entries)
+        why = (
+            "every correction's training diverged" if corrections else "none was the only candidate"
+        )
+        return none, f"kept no correction: {why}"
     level = alpha / len(tried)
     for i in tried:
         entries[i]["test"] = {**sign_test(entries[i]["verdict"][metric], baseline), "level": level}

@@ -247,8 +247,8 @@ def verdict_markdown(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> str:
-    """The two tables the README quotes."""
+def correlation_markdown(points: Sequence[Point]) -> list[str]:
+    """The Spearman table: each metric against exact match, pooled and within cells."""
     lines = [
         "Spearman rank correlation of each held-out metric with exact match (KL negated, so "
         "positive = the metric ranks like the score). Pooled: every merge × domain × variant "
@@ -259,12 +259,18 @@ def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> 
         "|---|---|---|---|---|",
     ]
     for row in correlations(points):
-        pooled = "–" if row["pooled"] is None else f"{row['pooled']:+.2f}"
+        pooled_rho = "–" if row["pooled"] is None else f"{row['pooled']:+.2f}"
         within = "–" if row["within_mean"] is None else f"{row['within_mean']:+.2f}"
         lines.append(
-            f"| {row['group']} | {row['metric']} | {row['points']} | {pooled} | "
+            f"| {row['group']} | {row['metric']} | {row['points']} | {pooled_rho} | "
             f"{within} ({row['within_cells']}) |"
         )
+    return lines
+
+
+def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> str:
+    """The two tables the README quotes."""
+    lines = correlation_markdown(points)
     lines += [
         "",
         "Mean exact match (%) over the three domains: the `select` row as evaluated, what "
@@ -295,20 +301,9 @@ def pooled(paths: Sequence[str | Path]) -> str:
         for record in json.loads(Path(path).read_text())["held_out"]:
             record = {**record, "merge": f"{record['merge']} (run {number})"}
             points.append(Point(**record))
-    lines = [
-        f"Pooled over {len(paths)} runs: " + ", ".join(str(p) for p in paths),
-        "",
-        "| calibration | metric | points | pooled ρ_s | within-cell mean ρ_s (cells) |",
-        "|---|---|---|---|---|",
-    ]
-    for row in correlations(points):
-        pooled_rho = "–" if row["pooled"] is None else f"{row['pooled']:+.2f}"
-        within = "–" if row["within_mean"] is None else f"{row['within_mean']:+.2f}"
-        lines.append(
-            f"| {row['group']} | {row['metric']} | {row['points']} | {pooled_rho} | "
-            f"{within} ({row['within_cells']}) |"
-        )
-    return "\n".join([*lines, "", *verdict_markdown(verdict_outcomes(points))])
+    runs = f"Pooled over {len(paths)} runs: " + ", ".join(str(p) for p in paths)
+    lines = [runs, "", *correlation_markdown(points), ""]
+    return "\n".join([*lines, *verdict_markdown(verdict_outcomes(points))])
 
 
 if __name__ == "__main__":

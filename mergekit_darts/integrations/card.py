@@ -168,6 +168,15 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
             if any("selection" in e for e in tasks.values())
             else []
         ),
+        *(
+            [
+                "With a `completion_*` metric (the default verdict) the target completed each "
+                "held-out prompt, and a correction was kept only where a one-sided sign test over "
+                "those prompts said it beats no correction there."
+            ]
+            if any("verdict" in (e.selection or {}) for e in tasks.values())
+            else []
+        ),
         "",
         "| task | correction | agreement | KL | ρ_L1 | no surgery: agreement / KL | kept |",
         "|---|---|---|---|---|---|---|",
