@@ -206,7 +206,8 @@ def test_a_verdict_metric_always_has_none_among_the_candidates(tiny_family, cali
         ({"alpha": 1.5}, "surgery.select.alpha"),
         ({"completion_tokens": 0}, "surgery.select.completion_tokens"),
         ({"metric": "completion"}, "surgery.select.metric"),
-        (True, "surgery.select"),
+        (True, "surgery.select: expected a mapping of select settings, or off"),
+        ("on", "surgery.select: expected a mapping of select settings, or off"),
     ],
 )
 def test_bad_verdict_settings_are_one_line_errors(tiny_family, calibration_data, select, message):

@@ -107,7 +107,11 @@ def _default_candidates() -> list[Candidate]:
 
 def _off(value: Any) -> Any:
     # `select: off` is YAML 1.1's boolean false; the string (JSON, Python) means the same
-    return False if value == "off" else value
+    if value is False or value == "off":
+        return False
+    if value is None or isinstance(value, dict | BaseModel):
+        return value
+    raise ValueError(f"expected a mapping of select settings, or off (no selection); got {value!r}")
 
 
 class SelectConfig(StrictBlock):
