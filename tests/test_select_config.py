@@ -130,7 +130,10 @@ def test_task_values_win_over_the_block_and_candidates_inherit_the_task():
     ]
     assert [(x.loss, x.lr) for x in c.candidates()] == [("l1", 0.01)]
     assert (
-        a.needs_logits
+        not a.needs_logits  # the verdict compares top-1 tokens with the target's completions
+        and resolve_tasks(
+            parse_surgery({"select": select(metric="kl"), "tasks": [{"name": "x", **base}]})
+        )[0].needs_logits
         and not resolve_tasks(
             parse_surgery({"select": select(metric="rho_l1"), "tasks": [{"name": "x", **base}]})
         )[0].needs_logits

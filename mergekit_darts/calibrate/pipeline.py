@@ -306,7 +306,7 @@ def _verdict_calibration(run: TaskRun, target: str) -> Calibration:
     task, metric = run.task, f"metric {run.task.select.metric}"
     _, held = holdout_split(len(run.prompt_ids), task.holdout, task.seed)
     return Calibration(
-        name=f"{task.name}:verdict",  # never a task name (no ':')
+        name=task.name,  # messages name the task
         target_path=target,
         prompt_ids=[run.prompt_ids[i] for i in held.tolist()],
         continuation_tokens=task.select.completion_tokens,
