@@ -1,19 +1,50 @@
 """``lm-eval-darts``: the stock ``lm_eval`` command with ``hf-darts`` registered.
 
 The explicit fallback for when the startup hook is off (``DARTS_NO_HOOK=1``) or was not installed.
-It parses nothing itself: flags, subcommands and help are lm-eval's own.
+It parses nothing itself: flags, subcommands and help are lm-eval's own. Under either command a
+``DartsError`` (``surgery=maths``, a surgery folder that cannot be used) ends the run with one
+line, as every mergekit-darts command does, not a traceback: the startup hook wraps the stock
+command's ``cli_evaluate`` with :func:`install`.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
 from lm_eval_darts.hook import register
+
+
+def one_line_errors(cli: Callable[[], None]) -> Callable[[], None]:
+    """``cli`` printing a ``DartsError`` as ``Error: <message>`` and exiting with status 1."""
+    if getattr(cli, "__darts_hook__", False):
+        return cli
+
+    @functools.wraps(cli)
+    def run() -> None:
+        from mergekit_darts.errors import DartsError
+
+        try:
+            cli()
+        except DartsError as err:
+            sys.exit(f"Error: {err}")
+
+    run.__darts_hook__ = True  # type: ignore[attr-defined]
+    return run
+
+
+def install(main_module: ModuleType) -> None:
+    """Startup-hook entry, called with the freshly imported ``lm_eval.__main__``."""
+    main_module.cli_evaluate = one_line_errors(main_module.cli_evaluate)
 
 
 def main() -> None:
     register()
     from lm_eval.__main__ import cli_evaluate  # after registering; this is lm-eval's own entry
 
-    cli_evaluate()
+    one_line_errors(cli_evaluate)()
 
 
 if __name__ == "__main__":

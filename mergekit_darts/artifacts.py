@@ -8,15 +8,16 @@ readers never see half of it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import load, save
 
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.core.router import RoutedSurgery, Router
@@ -37,7 +38,8 @@ from mergekit_darts.routing import ROUTED
 
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
     """Tensor names and shapes of a module, from a fresh instance (one source of truth)."""
-    module = build_module(kind, hidden_size, rank, max_positions)
+    with torch.device("meta"):
+        module = build_module(kind, hidden_size, rank, max_positions)
     return {name: tuple(t.shape) for name, t in sorted(module.state_dict().items())}
 
 
@@ -121,39 +123,68 @@ def load_surgery(
 
 
 def _load_module(folder: Path, manifest: Manifest, task: str) -> SurgeryModule:
-    """One task's module from its file, its tensors checked against the manifest entry."""
+    """One task's module from its file, checked against the manifest entry."""
     entry = manifest.tasks[task]
     kind, rank, max_positions = entry.module, entry.rank, entry.max_positions
     hidden_size = manifest.hidden_size
     if entry.file is None:
         raise SurgeryFormatError(f"manifest entry of task {task!r} names no file")
-    file = folder / entry.file
-    if not file.is_file():
-        raise SurgeryFormatError(f"surgery file {file} of task {task!r} is missing")
-    try:
-        tensors = load_file(file)
-    except (SafetensorError, OSError) as err:
-        raise SurgeryFormatError(f"{file} is not a readable safetensors file ({err})") from err
-    try:
-        module = build_module(kind, hidden_size, rank, max_positions)
-    except ValueError as err:
-        raise SurgeryFormatError(f"manifest entry of task {task!r}: {err}") from err
     described = (
         f"a {kind} module with hidden_size={hidden_size}, rank={rank}, "
         f"max_positions={max_positions}"
     )
-    return _load_checked(module, tensors, file, described).eval()
+
+    def build() -> SurgeryModule:
+        try:
+            return build_module(kind, hidden_size, rank, max_positions)
+        except ValueError as err:
+            raise SurgeryFormatError(f"manifest entry of task {task!r}: {err}") from err
+
+    owner = f"task {task!r}"
+    return _load_bound(build, folder, entry.file, entry.sha256, owner, described).eval()
 
 
-def _load_checked(
-    module: Any, tensors: Mapping[str, torch.Tensor], file: Path, described: str
+def _load_bound(
+    build: Callable[[], Any],
+    folder: Path,
+    name: str,
+    sha256: str | None,
+    owner: str,
+    described: str,
 ) -> Any:
-    """``module`` with ``tensors`` (from ``file``) loaded as float32, once their names and shapes
-    are exactly its own; else one line saying what ``described`` needs."""
-    expected = {name: tuple(t.shape) for name, t in sorted(module.state_dict().items())}
+    """``build()`` loaded (as float32) from ``folder/name``, the file the manifest lists for
+    ``owner`` (a task, the router); else one line saying what is wrong.
+
+    Every loader reads surgery tensors through here. The tensors' names and shapes must be
+    exactly those ``described`` needs, taken from a build on the meta device (a hand-edited size,
+    a huge rank, is refused, never allocated). The file's bytes must have the ``sha256`` the
+    manifest recorded: two modules of one shape (two tasks', one task's from two runs) differ
+    only in their numbers. None (a manifest written before it was recorded, or by hand) is
+    accepted unchecked, as ``merged_identity`` is.
+    """
+    file = folder / name
+    try:
+        data = file.read_bytes()
+    except OSError as err:
+        raise SurgeryFormatError(
+            f"surgery file {file} of {owner} is missing or unreadable ({err.strerror})"
+        ) from err
+    try:
+        tensors = load(data)
+    except SafetensorError as err:
+        raise SurgeryFormatError(f"{file} is not a readable safetensors file ({err})") from err
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in sorted(build().state_dict().items())}
     found = {name: tuple(t.shape) for name, t in sorted(tensors.items())}
     if found != expected:
         raise SurgeryFormatError(f"{file} holds tensors {found}, but {described} needs {expected}")
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise SurgeryFormatError(
+            f"{file} is not the file {folder / MANIFEST} lists for {owner} (its sha256 differs: "
+            "copied, swapped or edited since it was written): restore it, or re-run "
+            "`mergekit-darts calibrate ... --overwrite`"
+        )
+    module = build()
     module.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
     return module
 
@@ -178,17 +209,19 @@ def load_routed(folder: str | Path, *, weights: str | Path | None = None) -> Rou
             f"does not hold (it has {', '.join(manifest.tasks)}); re-run `mergekit-darts calibrate`"
         )
     check_calibrated_on(manifest, folder, weights)
-    router = Router(manifest.hidden_size, entry.tasks, entry.background)
-    file = folder / entry.file
-    try:
-        tensors = load_file(file)
-    except (SafetensorError, OSError) as err:
-        raise SurgeryFormatError(f"router file {file} is missing or unreadable ({err})") from err
+    classes = entry.classes
     described = (
-        f"a router over {len(router.classes)} classes ({', '.join(router.classes)}) with "
+        f"a router over {len(classes)} classes ({', '.join(classes)}) with "
         f"hidden_size={manifest.hidden_size}"
     )
-    _load_checked(router, tensors, file, described)
+    router = _load_bound(
+        lambda: Router(manifest.hidden_size, entry.tasks, entry.background),
+        folder,
+        entry.file,
+        entry.sha256,
+        "the router",
+        described,
+    )
     modules = {task: _load_module(folder, manifest, task) for task in entry.tasks}
     return RoutedSurgery(modules, router).eval()
 
@@ -228,6 +261,7 @@ def write_surgery_folder(
     *,
     extra_files: Mapping[str, bytes] | None = None,
     router: Router | None = None,
+    replace: bool = True,
 ) -> Path:
     """Write modules + manifest to ``folder`` atomically (temporary sibling, then rename).
 
@@ -236,7 +270,8 @@ def write_surgery_folder(
     ``extra_files`` (relative name -> bytes: diagnostics, the surgery YAML) land in the same
     staging folder, so they appear together with the modules or not at all.
     ``router`` (with ``manifest.router`` describing it) is written to ``router.safetensors``.
-    An existing ``folder`` is replaced only after the new one is complete.
+    An existing ``folder`` is replaced only after the new one is complete; without ``replace``
+    it is not (``FileExistsError``).
     """
     folder = Path(folder)
     if not isinstance(manifest, Manifest):
@@ -247,24 +282,13 @@ def write_surgery_folder(
     for name in extra_files or {}:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise ValueError(f"extra file {name!r} must be a relative path inside the folder")
-    with staged_folder(folder) as staging:
+    with staged_folder(folder, replace=replace) as staging:
         for name, module in modules.items():
             file = module_file(name)
-            state = {
-                k: v.detach().to("cpu", torch.float32).contiguous()
-                for k, v in module.state_dict().items()
-            }
-            # One metadata key only: safetensors writes metadata from a hash map, so two keys
-            # come out in random order and identical runs would give different bytes. Bytes
-            # through a plain write: safetensors' save_file would make the file 0600.
-            (staging / file).write_bytes(save(state, metadata={"format": FORMAT}))
+            manifest.tasks[name].sha256 = _write_tensors(staging / file, module)
             manifest.tasks[name].file = file
         if router is not None:
-            state = {
-                k: v.detach().to("cpu", torch.float32).contiguous()
-                for k, v in router.state_dict().items()
-            }
-            (staging / ROUTER).write_bytes(save(state, metadata={"format": FORMAT}))
+            manifest.router.sha256 = _write_tensors(staging / ROUTER, router)
             manifest.router.file = ROUTER
         for name, data in (extra_files or {}).items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
@@ -272,3 +296,17 @@ def write_surgery_folder(
         text = json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n"
         (staging / MANIFEST).write_text(text)
     return folder
+
+
+def _write_tensors(path: Path, module: torch.nn.Module) -> str:
+    """``module``'s tensors as float32 safetensors at ``path``; returns the file's sha256 (which
+    the manifest records, binding the file to its entry)."""
+    state = {
+        k: v.detach().to("cpu", torch.float32).contiguous() for k, v in module.state_dict().items()
+    }
+    # One metadata key only: safetensors writes metadata from a hash map, so two keys come out in
+    # random order and identical runs would give different bytes. Bytes through a plain write:
+    # safetensors' save_file would make the file 0600.
+    data = save(state, metadata={"format": FORMAT})
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()

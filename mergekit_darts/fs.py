@@ -16,6 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def inside(path: str | Path, folder: str | Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it, symlinks resolved (neither need exist)."""
+    path, folder = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    return path == folder or folder in path.parents
+
+
 def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)

@@ -25,6 +25,7 @@ REPORT_DIR = "report"  # inside surgery/: replaced together with the modules it 
 ROUTER = "router.safetensors"  # the gate of ``route:`` (``weight`` [K', H], ``bias`` [K'])
 RECIPE = "mergekit_config.yml"  # mergekit's record of the merge
 FORMAT = "darts-surgery"
+SHA256 = r"^[0-9a-f]{64}$"  # a file's sha256, as the manifest records it
 VERSION = 1
 
 
@@ -82,6 +83,7 @@ class TaskEntry(_Record):
     held_out: dict[str, Any] | None = None
     selection: dict[str, Any] | None = None
     file: str | None = None  # filled in by the writer: the module's file inside surgery/
+    sha256: str | None = Field(default=None, pattern=SHA256)  # of ``file``; see artifacts
 
     @field_validator("file", "diagnostics")
     @classmethod
@@ -108,6 +110,7 @@ class RouterEntry(_Record):
     tasks: list[str] = Field(min_length=2)
     background: bool = False
     file: str = ROUTER
+    sha256: str | None = Field(default=None, pattern=SHA256)  # of ``file``; see artifacts
     held_out: dict[str, Any] | None = None
 
     @field_validator("tasks")
@@ -157,8 +160,13 @@ class Manifest(_Record):
     @field_validator("tasks")
     @classmethod
     def _task_names(cls, tasks: dict[str, TaskEntry]) -> dict[str, TaskEntry]:
-        for name in tasks:
+        for name, entry in tasks.items():
             check_task_name(name)
+            # the writer names each file after its task: an entry may not serve another's module
+            if entry.file not in (None, module_file(name)):
+                raise ValueError(
+                    f"task {name!r} names file {entry.file!r}, not its own {module_file(name)!r}"
+                )
         return tasks
 
     @classmethod

@@ -16,6 +16,7 @@ _PATCHES = {
     "mergekit.merge": "mergekit_darts.integrations.mergekit_hook",
     "mergekit.scripts.multimerge": "mergekit_darts.integrations.multimerge",  # mergekit-multi
     "lm_eval.models": "lm_eval_darts.hook",
+    "lm_eval.__main__": "lm_eval_darts.cli",  # the stock lm_eval: one-line DartsError
 }
 
 

@@ -478,6 +478,14 @@ def test_a_section_that_does_not_fit_the_model_is_refused(exported: Path, tmp_pa
     assert "\n" not in str(info.value)
 
 
+def unbind_surgery_file(folder: Path) -> None:
+    """Drop the surgery file from config.json's darts.weights, as in an export made before it was
+    recorded there: what the shipped loader checks inside the file is reached."""
+    config = json.loads((folder / "config.json").read_text())
+    del config["darts"]["weights"]["darts_surgery.safetensors"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 def without_surgery_tensors(exported: Path, folder: Path, keep_file: bool) -> Path:
     """A copy of the pos_corr export whose weight index no longer lists the surgery tensors."""
     folder = Path(shutil.copytree(exported / "pos_corr", folder, symlinks=True))
@@ -487,6 +495,7 @@ def without_surgery_tensors(exported: Path, folder: Path, keep_file: bool) -> Pa
         k: v for k, v in index["weight_map"].items() if not k.startswith("darts_surgery.")
     }
     index_file.write_text(json.dumps(index))
+    unbind_surgery_file(folder)
     if not keep_file:
         (folder / "darts_surgery.safetensors").unlink()
     return folder
@@ -508,6 +517,7 @@ def test_missing_surgery_tensors_are_refused(
 def test_surgery_tensors_of_another_module_are_refused(exported: Path, tmp_path: Path) -> None:
     """A pos_corr config over a standard module's tensors, and over a misshapen position table."""
     folder = Path(shutil.copytree(exported / "pos_corr", tmp_path / "bad", symlinks=True))
+    unbind_surgery_file(folder)
     state = load_file(folder / "darts_surgery.safetensors")
     for tensors, named in (
         ({**state, "darts_surgery.position_embedding": state["darts_surgery.position_bias"].clone()},
@@ -648,9 +658,12 @@ def test_all_writes_one_folder_per_task(merged: Path, exported: Path) -> None:
             "hidden_size": 64,
             "prefix": "darts_surgery.",
             "weights": {
+                "darts_surgery.safetensors": weights_fingerprint(
+                    exported / kind / "darts_surgery.safetensors"
+                ),
                 "model-00001-of-00001.safetensors": weights_fingerprint(
                     merged / "model.safetensors"
-                )
+                ),
             },
         }
         merged_config = json.loads((merged / "config.json").read_text())

@@ -32,6 +32,7 @@ from test_export import (  # noqa: F401  (modules_cache: the autouse fixture)
     modules_cache,
     positions_by_hand,
     snapshot,
+    unbind_surgery_file,
 )
 from tiny import write_routed_surgery
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -249,7 +250,8 @@ def test_routed_folder_layout(routed: Any) -> None:
         "hidden_size": 64,
         "prefix": "darts_surgery.",
         "weights": {
-            "model-00001-of-00001.safetensors": weights_fingerprint(merged / "model.safetensors")
+            "darts_surgery.safetensors": weights_fingerprint(dest / "darts_surgery.safetensors"),
+            "model-00001-of-00001.safetensors": weights_fingerprint(merged / "model.safetensors"),
         },
     }
     # the tensors are the RoutedSurgery state dict's, prefixed; the none module has none
@@ -460,6 +462,7 @@ def test_missing_routed_tensors_are_refused(routed: Any, tmp_path: Path) -> None
         k: v for k, v in index["weight_map"].items() if not k.startswith(PREFIX + "router.")
     }
     index_file.write_text(json.dumps(index))
+    unbind_surgery_file(folder)
     with pytest.raises(ValueError, match=r"darts_surgery\.\* tensors do not fit") as info:
         load(folder)
     assert "darts_surgery.router.weight" in str(info.value) and "\n" not in str(info.value)

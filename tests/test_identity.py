@@ -68,9 +68,9 @@ def merged(tiny_family: Any, tmp_path: Path) -> Path:
     return out
 
 
-def test_calibration_records_the_identity_of_the_weights(tiny_family, calibration_data, tmp_path):
-    out = merge(tiny_family, tmp_path / "merged")
-    block = {
+def one_task_block(tiny_family: Any, calibration_data: Path) -> dict[str, Any]:
+    """A quick block: task math, four prompts, two steps."""
+    return {
         "steps": 2,
         "batch_size": 4,
         "tasks": [
@@ -86,7 +86,11 @@ def test_calibration_records_the_identity_of_the_weights(tiny_family, calibratio
             }
         ],
     }
-    written = run_surgery(out, block, progress=False)
+
+
+def test_calibration_records_the_identity_of_the_weights(tiny_family, calibration_data, tmp_path):
+    out = merge(tiny_family, tmp_path / "merged")
+    written = run_surgery(out, one_task_block(tiny_family, calibration_data), progress=False)
     assert written["merged_identity"] == weights_identity(out) is not None
     merge(tiny_family, out, math_weight=0.3)  # other weights into the same folder
     with pytest.raises(SurgeryFormatError, match=REDO):

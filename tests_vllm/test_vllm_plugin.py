@@ -127,22 +127,45 @@ def test_prefix_cached_requests_keep_absolute_positions(llm, exported: Exported,
     assert error < TOL
 
 
-def test_a_broken_darts_section_is_refused_before_loading(
-    exported: Exported, tmp_path: Path
-) -> None:
+def refusal(dest: Path) -> list[str]:
+    """The messages of the error ``LLM(model=dest)`` raises, and of its causes."""
     from vllm import LLM
 
-    dest = copy_export(exported, tmp_path / "dest")
-    config = json.loads((dest / "config.json").read_text())
-    config["darts"]["version"] = 99
-    (dest / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception) as info:
         LLM(model=str(dest), **ENGINE)
     chain, err = [], info.value
     while err is not None:
         chain.append(str(err))
         err = err.__cause__ or err.__context__
+    return chain
+
+
+def test_a_broken_darts_section_is_refused_before_loading(
+    exported: Exported, tmp_path: Path
+) -> None:
+    dest = copy_export(exported, tmp_path / "dest")
+    config = json.loads((dest / "config.json").read_text())
+    config["darts"]["version"] = 99
+    (dest / "config.json").write_text(json.dumps(config))
+    chain = refusal(dest)
     assert any("version 99" in message and "mergekit-darts" in message for message in chain), chain
+
+
+def test_a_surgery_file_swapped_in_from_another_export_is_refused(
+    exported: Exported, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The export binds its surgery file (config.json's darts.weights): another module's
+    tensors of the same shapes would otherwise be served as this task's correction. The check
+    runs where the model is built (an engine-core process: its stderr is read too)."""
+    from safetensors.torch import save_file
+
+    from mergekit_darts.deploy.modeling_darts import PREFIX, SURGERY_FILE
+
+    dest = copy_export(exported, tmp_path / "dest")
+    other = {PREFIX + k: v for k, v in random_module(seed=9).state_dict().items()}
+    save_file(other, dest / SURGERY_FILE, metadata={"format": "pt"})
+    chain = [*refusal(dest), capfd.readouterr().err]
+    assert any("is not the surgery file this DARTS export" in m for m in chain), chain[:-1]
 
 
 def test_surgery_tensors_that_do_not_fit_the_config_are_refused() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import string
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ class Prompts:
     texts: tuple[str, ...]
     sha256: tuple[str, ...]
     source: str  # as written: the file path or "dataset <id>[/<name>]:<split>"
+    duplicates: int = 0  # records skipped because their prompt came earlier in the source
 
 
 def sha256_text(text: str) -> str:
@@ -48,13 +50,15 @@ def read_prompts(cal: CalibrationConfig, key: str, who: str) -> Prompts:
     else:
         source = f"dataset {cal.dataset}{f'/{cal.name}' if cal.name else ''}:{cal.split}"
         records = _dataset_records(cal, f"{key}.dataset")
-    texts: list[str] = []
-    seen = 0
+    texts: dict[str, None] = {}  # insertion-ordered, and a prompt is used once
+    seen = duplicates = 0
     for where, record in records:
         seen += 1
         text = _render(record, cal, key, f"{where} of {source}")
-        if text.strip():
-            texts.append(text)
+        if text in texts:
+            duplicates += 1
+        elif text.strip():
+            texts[text] = None
             if len(texts) == cal.num_samples:
                 break
     if seen == 0:
@@ -73,7 +77,15 @@ def read_prompts(cal: CalibrationConfig, key: str, who: str) -> Prompts:
             who,
             len(texts),
         )
-    return Prompts(tuple(texts), tuple(sha256_text(t) for t in texts), source)
+    if duplicates:
+        # a repeat would train on the prompt twice, or put a training prompt in the held-out split
+        LOG.warning(
+            "%s: %s repeats %d prompt(s) of earlier records; each prompt is used once",
+            key,
+            source,
+            duplicates,
+        )
+    return Prompts(tuple(texts), tuple(sha256_text(t) for t in texts), source, duplicates)
 
 
 def _render(record: Any, cal: CalibrationConfig, key: str, where: str) -> str:
@@ -84,6 +96,10 @@ def _render(record: Any, cal: CalibrationConfig, key: str, where: str) -> str:
             f"{key}: {where} is a {type(record).__name__}, not a record (an object of fields)"
         )
     if cal.template is not None:
+        for name in _template_fields(cal.template):
+            value = record.get(name)  # a missing field: format_map's KeyError below names it
+            if name in record and (value is None or isinstance(value, Mapping | list)):
+                raise _unusable_field(f"{key}.template", where, name, value)
         try:
             return cal.template.format_map(record)
         except KeyError as err:
@@ -92,12 +108,14 @@ def _render(record: Any, cal: CalibrationConfig, key: str, where: str) -> str:
                 f"(it has: {', '.join(map(str, record)) or 'nothing'})"
             ) from None
     field = cal.field or "text"
-    if field not in record or record[field] is None:
+    if field not in record:
         raise SurgeryConfigError(
             f"{key}.field: {where} has no field {field!r} "
             f"(it has: {', '.join(map(str, record)) or 'nothing'}); set `field:` or `template:`"
         )
     value = record[field]
+    if value is None:
+        raise _unusable_field(f"{key}.field", where, field, value)
     if not isinstance(value, str):
         raise SurgeryConfigError(
             f"{key}.field: field {field!r} of {where} is a {type(value).__name__}, not text; "
@@ -106,34 +124,51 @@ def _render(record: Any, cal: CalibrationConfig, key: str, where: str) -> str:
     return value
 
 
+def _template_fields(template: str) -> set[str]:
+    """The record fields a template reads (the block's parser allows plain ``{field}`` only)."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name}
+
+
+def _unusable_field(key: str, where: str, name: str, value: Any) -> SurgeryConfigError:
+    """A prompt would read a null field as the text "None", a list or object as its Python
+    repr: refused, naming the record."""
+    if value is None:
+        return SurgeryConfigError(
+            f"{key}: field {name!r} of {where} is null; fill it in or drop that record"
+        )
+    return SurgeryConfigError(
+        f"{key}: field {name!r} of {where} is a {type(value).__name__}, not text or a number; "
+        "a template inserts each field as text: point it at text fields"
+    )
+
+
 def _file_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
     """(where, record) pairs of a local file; blank lines of .jsonl/.txt are skipped."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"line {number}", json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise SurgeryConfigError(
-                        f"{key}: line {number} of {path.name} is not valid JSON ({err.msg})"
-                    ) from None
+        for number, line in _utf8_lines(path, key):
+            if not line.strip():
+                continue
+            try:
+                yield f"line {number}", json.loads(line)
+            except json.JSONDecodeError as err:
+                raise SurgeryConfigError(
+                    f"{key}: line {number} of {path.name} is not valid JSON ({err.msg})"
+                ) from None
     elif suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads("".join(line for _, line in _utf8_lines(path, key)))
         except json.JSONDecodeError as err:
             raise SurgeryConfigError(f"{key}: {path.name} is not valid JSON ({err.msg})") from None
         if not isinstance(data, list):
             raise SurgeryConfigError(f"{key}: {path.name} must hold a JSON list of records")
         yield from ((f"record {i}", record) for i, record in enumerate(data))
     elif suffix == ".txt":
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    yield f"line {number}", {"text": line.rstrip("\r\n")}
+        for number, line in _utf8_lines(path, key):
+            if line.strip():
+                yield f"line {number}", {"text": line.rstrip("\r\n")}
     else:  # .parquet, read a batch at a time
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
@@ -143,8 +178,33 @@ def _file_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
                 for record in batch.to_pylist():
                     yield f"row {index}", record
                     index += 1
-        except OSError as err:
-            raise SurgeryConfigError(f"{key}: cannot read {path.name} as parquet ({err})") from None
+        except (OSError, pa.ArrowException) as err:
+            detail = " ".join(str(err).split())[:200]
+            raise SurgeryConfigError(
+                f"{key}: cannot read {path.name} as parquet ({detail}); give a parquet file, or "
+                "a .jsonl/.json/.txt file under that suffix"
+            ) from None
+
+
+def _utf8_lines(path: Path, key: str) -> Iterator[tuple[int, str]]:
+    """Numbered lines of a UTF-8 text file, a leading byte order mark dropped (it is no part of
+    the first prompt, nor of its hash); any other encoding is refused with one line."""
+    number = 0
+    hint = (
+        "calibration text files must be UTF-8 (this one may be Latin-1 or UTF-16): save it as UTF-8"
+    )
+    try:
+        with path.open(encoding="utf-8-sig") as lines:
+            for number, line in enumerate(lines, 1):
+                if "\x00" in line:  # UTF-16 text of ASCII characters decodes as UTF-8 with NULs
+                    raise SurgeryConfigError(
+                        f"{key}: line {number} of {path.name} holds NUL characters; {hint}"
+                    )
+                yield number, line
+    except UnicodeDecodeError as err:
+        raise SurgeryConfigError(
+            f"{key}: line {number + 1} of {path.name} is not UTF-8 text ({err.reason}); {hint}"
+        ) from None
 
 
 def _dataset_records(cal: CalibrationConfig, key: str) -> Iterator[tuple[str, Any]]:
@@ -184,6 +244,16 @@ def tokenize_prompts(
         if not ids:
             raise SurgeryConfigError(f"{key}: prompt {index} tokenizes to nothing")
         sequences.append(list(ids))
+    if (distinct := len({tuple(ids) for ids in sequences})) < len(sequences):
+        # the cut made them one sequence: a held-out prompt may be a trained one
+        LOG.warning(
+            "%s.max_length: the %d prompts are %d distinct sequences within their first %d "
+            "tokens (the part calibration keeps); raise max_length or vary how prompts begin",
+            key,
+            len(sequences),
+            distinct,
+            max_length,
+        )
     return sequences
 
 

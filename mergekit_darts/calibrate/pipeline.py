@@ -14,6 +14,7 @@ its own (the benchmarks time them and track memory peaks).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -58,6 +59,9 @@ from mergekit_darts.config import (
     route_tasks,
 )
 from mergekit_darts.core.router import NONE_CLASS
+from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.fs import inside
+from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import Manifest, surgery_dir
 
 PhaseHook = Callable[[str], AbstractContextManager[Any]]
@@ -90,6 +94,7 @@ class PreparedSurgery:
     targets: dict[str, str]  # task name -> local folder or Hub id
     prompts: dict[str, Prompts]
     background: Prompts | None = None  # route.background's prompts (no correction)
+    overwrite: bool = False  # may replace a surgery/ that is there when the run writes its own
 
 
 def prepare_surgery(
@@ -113,7 +118,12 @@ def prepare_surgery(
     config = parse_surgery(surgery_config if isinstance(surgery_config, SurgeryConfig) else block)
     tasks = resolve_tasks(config)
     check_output(out_path, overwrite)
-    check_cache_dir(config.cache_dir)
+    cache = check_cache_dir(config.cache_dir)
+    if cache is not None and inside(cache, surgery_dir(out_path)):
+        raise SurgeryConfigError(
+            f"surgery.cache_dir: {cache} is inside {surgery_dir(out_path)}, which every "
+            "calibration replaces whole (the captures would be deleted): choose a folder outside it"
+        )
     for task in tasks:
         calibration_file(task)
     background = config.route.background if config.route is not None else None
@@ -129,6 +139,13 @@ def prepare_surgery(
         chat_template_set=chat_template_set,
         background=background,
     )
+    for task in tasks:
+        if Path(os.path.realpath(targets[task.name])) == Path(os.path.realpath(out_path)):
+            raise SurgeryConfigError(
+                f"{task.key}.target: {task.target} is the merged folder {out_path} itself: the "
+                "merge would replace the target's weights, and a model is no target of its own "
+                "correction; write the merge elsewhere or name the fine-tune to recover"
+            )
     prompts = {task.name: load_prompts(task) for task in tasks}
     for task in tasks:
         check_holdout(task, len(prompts[task.name].texts))
@@ -139,7 +156,7 @@ def prepare_surgery(
             background_prompts = read_prompts(background, BACKGROUND_KEY, "the router's background")
             counts[NONE_CLASS] = len(background_prompts.texts)
         check_route_holdout(config, counts)
-    return PreparedSurgery(block, config, tasks, targets, prompts, background_prompts)
+    return PreparedSurgery(block, config, tasks, targets, prompts, background_prompts, overwrite)
 
 
 def _raw_block(surgery_config: SurgeryConfig | Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
@@ -166,6 +183,7 @@ def calibrate(
     """
     started = time.perf_counter()
     merged = Path(merged_path)
+    identity = weights_identity(merged)  # before any capture: the weights the modules will fit
     store = store if store is not None else CaptureStore(prepared.config.cache_dir)
     stats = dataclasses.replace(store.stats)
     captured = capture_tasks(merged, prepared, progress=progress, store=store, on_phase=on_phase)
@@ -189,6 +207,8 @@ def calibrate(
             started=started,
             captures=store.stats.since(stats),
             router=fitted,
+            identity=identity,
+            replace=prepared.overwrite,
         )
 
 

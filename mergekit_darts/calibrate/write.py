@@ -28,6 +28,7 @@ from mergekit_darts.calibrate.fit import TaskRun, settings_of
 from mergekit_darts.calibrate.route import FittedRouter
 from mergekit_darts.config import CalibrationConfig, SurgeryConfig, model_shape
 from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.errors import SurgeryRunError
 from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import BLOCK_KEY, SURGERY_YAML, Manifest, diagnostics_file, surgery_dir
 
@@ -45,13 +46,27 @@ def write_surgery(
     started: float,
     captures: dict[str, int],
     router: FittedRouter | None = None,
+    identity: str | None,
+    replace: bool,
 ) -> Manifest:
     """Modules, manifest, diagnostics and the block, in one atomic folder; returns the manifest.
 
     ``started`` is the run's ``time.perf_counter()`` at its start (the manifest's ``total_s``);
     ``captures`` the store's counts for the run; ``router`` the gate of ``route:`` (written to
     ``router.safetensors``, its entry to the manifest's ``router``).
+
+    ``identity`` is the ``weights_identity`` of ``merged`` taken before anything was captured,
+    and recorded as ``merged_identity``: weights that changed since (another merge or calibration
+    into the same folder) are refused, nothing is written. So is a ``surgery/`` that appeared
+    during the run, unless ``replace`` (the run's overwrite flag).
     """
+    if weights_identity(merged) != identity:
+        raise SurgeryRunError(
+            f"the weights in {merged} changed while calibrating (another merge or calibration "
+            f"into the same folder?), so the modules fit weights that are no longer there: "
+            f"nothing was written; run one merge or calibration per folder at a time, then "
+            f"`mergekit-darts calibrate {merged} SURGERY_YML`"
+        )
     trust = config.trust_remote_code
     shape = model_shape(str(merged), f"merged model {merged}", trust_remote_code=trust)
     manifest: dict[str, Any] = {
@@ -66,7 +81,7 @@ def write_surgery(
             "total_s": round(time.perf_counter() - started, 3),
         },
         "captures": captures,  # model loads, and captures computed or taken from the store
-        "merged_identity": weights_identity(merged),  # loaders refuse other weights
+        "merged_identity": identity,  # loaders refuse other weights
         "tasks": {run.task.name: _task_entry(run) for run in runs},
     }
     if router is not None:
@@ -75,13 +90,20 @@ def write_surgery(
     extra = {SURGERY_YAML: dumped.encode("utf-8")}
     extra |= {diagnostics_file(run.task.name): _diagnostics(run) for run in runs}
     modules = {run.task.name: run.result.module for run in runs}
-    write_surgery_folder(
-        surgery_dir(merged),
-        modules,
-        manifest,
-        extra_files=extra,
-        router=router.router if router is not None else None,
-    )
+    try:
+        write_surgery_folder(
+            surgery_dir(merged),
+            modules,
+            manifest,
+            extra_files=extra,
+            router=router.router if router is not None else None,
+            replace=replace,
+        )
+    except FileExistsError:
+        raise SurgeryRunError(
+            f"{surgery_dir(merged)} appeared while calibrating (another run into {merged}?) and "
+            "is left as it is: nothing was written; pass the overwrite flag to replace it"
+        ) from None
     return read_manifest(surgery_dir(merged))
 
 
@@ -99,6 +121,8 @@ def calibration_record(
         **({"template": cal.template} if cal.template else {"field": cal.field or "text"}),
         "num_samples": cal.num_samples,
         "num_prompts": len(prompts.texts),
+        # records whose prompt came earlier in the source: used once (a repeat could be held out)
+        **({"duplicate_records": prompts.duplicates} if prompts.duplicates else {}),
         "max_length": cal.max_length,
         "chat_template": cal.chat_template,
         **({} if continuation_tokens is None else {"continuation_tokens": continuation_tokens}),

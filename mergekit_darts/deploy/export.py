@@ -46,7 +46,7 @@ from mergekit_darts.deploy.modeling_darts import (
     weights_fingerprint,
 )
 from mergekit_darts.errors import ExportError
-from mergekit_darts.fs import staged_folder
+from mergekit_darts.fs import inside, staged_folder
 from mergekit_darts.identity import WEIGHT_SUFFIXES
 from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS
 from mergekit_darts.manifest import RECIPE, surgery_dir
@@ -78,6 +78,11 @@ def export(
     if link not in LINKS:
         raise ExportError(f"unknown --link {link!r}; choose one of {', '.join(LINKS)}")
     out, dest = Path(out_path), Path(os.path.abspath(dest))  # abspath: "." and "x/" have names
+    if inside(dest, out):
+        raise ExportError(
+            f"{dest} is inside the merged folder {out}, which calibration rewrites (`calibrate "
+            "--overwrite` replaces surgery/): choose a DEST outside it"
+        )
     source = _Source.read(out)
     if routed:  # loaded before DEST is checked: a folder without a usable router stops here
         modules: dict[str, Any] = {ROUTED: load_routed(source.surgery, weights=out)}
@@ -260,6 +265,8 @@ def _write_folder(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     weights = {renamed.get(s, s): source.fingerprints[s] for s in source.shards()}
+    if tensors:  # bound like the weights: a surgery file swapped in from another export is refused
+        weights[SURGERY_FILE] = weights_fingerprint(folder / SURGERY_FILE)
     hidden_size = source.manifest.hidden_size
     if task == ROUTED:
         router = source.manifest.router

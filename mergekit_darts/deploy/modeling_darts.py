@@ -293,13 +293,19 @@ def check_weights(folder: str | os.PathLike[str], darts: Mapping[str, Any]) -> N
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             raise ValueError(f"{path} is missing: this DARTS export lists it among its weights")
-        if weights_fingerprint(path) != expected:
+        if weights_fingerprint(path) == expected:
+            continue
+        if name == SURGERY_FILE:
             raise ValueError(
-                f"{path} is not the weight file this DARTS export was made with (its merge was "
-                "redone or changed since; a --link symlink or hardlink export follows its source), "
-                "so its surgery belongs to other weights: re-run `mergekit-darts calibrate` on the "
-                "merge, then `mergekit-darts export` again"
+                f"{path} is not the surgery file this DARTS export was made with (replaced or "
+                f"edited since, e.g. copied from another export): {_HINT}"
             )
+        raise ValueError(
+            f"{path} is not the weight file this DARTS export was made with (its merge was "
+            "redone or changed since; a --link symlink or hardlink export follows its source), "
+            "so its surgery belongs to other weights: re-run `mergekit-darts calibrate` on the "
+            "merge, then `mergekit-darts export` again"
+        )
 
 
 # ---- the correction --------------------------------------------------------------------------------

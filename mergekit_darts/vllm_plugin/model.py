@@ -22,6 +22,7 @@ stands for (see its docstring).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -37,6 +38,7 @@ from mergekit_darts.deploy.modeling_darts import (
     SURGERY,
     DartsRoutedSurgery,
     DartsSurgery,
+    check_weights,
     darts_section,
     surgery_for,
 )
@@ -49,8 +51,12 @@ class _DartsMixin(nn.Module):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        config = vllm_config.model_config.hf_config
+        folder = vllm_config.model_config.model
+        if os.path.isdir(folder):  # as transformers' load does: the files are the exported ones
+            check_weights(folder, darts_section(config))
         # on vLLM's load device; float32 whatever the model's dtype
-        module = surgery_for(vllm_config.model_config.hf_config)
+        module = surgery_for(config)
         self.add_module(SURGERY, module.requires_grad_(False).eval())
 
     def forward(

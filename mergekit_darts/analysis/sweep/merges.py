@@ -47,6 +47,12 @@ def locate_merges(spec: SweepSpec, output: Path) -> list[Merge]:
         merged = Path(spec.merged).expanduser().resolve()
         if not (merged / "config.json").is_file():
             raise SurgeryConfigError(f"sweep.merged: no model (config.json) in {merged}")
+        if fs.inside(output, merged):
+            raise SurgeryConfigError(
+                f"sweep.output: {output} is inside the merged model folder {merged}, which a "
+                "sweep never writes (its cells and results go to the output folder): choose an "
+                "output folder outside it"
+            )
         return [Merge(None, merged)]
     from mergekit.config import MergeConfiguration
 

@@ -1,0 +1,61 @@
+"""A surgery model argument that cannot be used ends ``lm_eval`` with one line (issue 28).
+
+``surgery=maths`` (a typo) raised ``SurgeryFormatError`` out of ``hf-darts`` and lm-eval printed
+a Python traceback. The stock ``lm_eval`` (through the startup hook) and the ``lm-eval-darts``
+fallback (hook off) print ``Error: <message>`` and exit with status 1, like every mergekit-darts
+command. Both run as real console scripts, started together (each spends ~15 s indexing tasks).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny
+
+BIN = Path(sys.executable).parent
+TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
+
+
+@pytest.mark.slow
+def test_an_unknown_surgery_task_is_one_line(tiny_merged, tmp_path):
+    merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+    modules = {
+        name: tiny.random_module("pos_corr", 64, 4, 8, seed=i)
+        for i, name in enumerate(["math", "code"])
+    }
+    entry = {"module": "pos_corr", "rank": 4, "max_positions": 8}
+    tiny.write_surgery_folder(
+        merged / "surgery", modules, {"hidden_size": 64, "tasks": {"math": entry, "code": entry}}
+    )
+    args = [
+        "--model", "hf-darts", "--model_args", f"pretrained={merged},surgery=maths",
+        "--tasks", "darts_tiny_mc", "--include_path", ".", "--device", "cpu", "--limit", "1",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "DARTS_NO_HOOK"} | {"OMP_NUM_THREADS": "1"}
+    runs = {"lm_eval": env, "lm-eval-darts": env | {"DARTS_NO_HOOK": "1"}}
+    procs = {
+        script: subprocess.Popen(
+            [str(BIN / script), *args],
+            cwd=TASKS_DIR,
+            env=script_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for script, script_env in runs.items()
+    }
+    try:
+        errors = {script: proc.communicate(timeout=300)[1] for script, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()  # only matters after a timeout
+    expected = f"Error: no surgery task 'maths' in {merged / 'surgery'}; available: math, code"
+    for script, proc in procs.items():
+        assert proc.returncode == 1, (script, errors[script][-3000:])
+        assert "Traceback" not in errors[script], (script, errors[script][-3000:])
+        assert errors[script].rstrip("\n").splitlines()[-1] == expected, script
