@@ -24,7 +24,8 @@ def _block(tiny_family, calibration_data, **task) -> dict:
         "max_length": 16,
     }
     entry = {"name": "math", "target": str(tiny_family.math), "calibration": calibration}
-    return {"steps": 10, "batch_size": 4, "rank": 4, "max_positions": 16, "tasks": [entry | task]}
+    block = {"steps": 10, "batch_size": 4, "rank": 4, "max_positions": 16, "select": "off"}
+    return block | {"tasks": [entry | task]}  # the paper's recipe: one module, no selection
 
 
 @pytest.fixture

@@ -68,6 +68,7 @@ VIA_DARTS_CLI = "della"  # the one method run through `mergekit-darts merge`
 SURGERY = {
     "steps": 20,
     "batch_size": 4,
+    "select": "off",  # the paper's recipe: every task trains its module (the default may keep none)
     "tasks": [
         {
             "name": "math",
