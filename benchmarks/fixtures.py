@@ -187,3 +187,14 @@ def surgery_block(
 def model_file_bytes(folder: str | Path) -> int:
     """Bytes of a model's weights on disk (safetensors shards): what loading puts in memory."""
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+
+
+def shadow_model(source: str, folder: Path) -> str:
+    """A folder of symlinks to ``source``'s files, so ``surgery/`` is written there, not in the
+    user's checkpoint."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in Path(source).resolve().iterdir():
+        link = folder / item.name
+        if item.is_file() and not link.exists():
+            link.symlink_to(item)
+    return str(folder)

@@ -20,8 +20,7 @@ HEAD_STEPS = 3  # memory does not depend on steps; kl at V = 32000 costs ~0.4 s 
 
 def phase_heads(merged: str, block: dict[str, Any], device: str) -> dict[str, Any]:
     """Run ``run_surgery`` on ``block`` with each phase's peak memory tracked."""
-    from benchmarks.calibration import quiet, warm_imports
-    from benchmarks.measure import PeakTracker
+    from benchmarks.measure import PeakTracker, quiet, warm_imports
     from mergekit_darts import run_surgery
 
     quiet()
@@ -62,8 +61,7 @@ def head_block(target: str, calibration: str, settings: Any) -> dict[str, Any]:
 
 def run(settings: Any, root: Path, calibration: str, tick: Any) -> dict[str, Any]:
     """Peak memory of ``HEAD_TASKS`` kl tasks on one target, per phase, in float32 heads."""
-    from benchmarks.calibration import shadow_model
-    from benchmarks.fixtures import build_pair
+    from benchmarks.fixtures import build_pair, shadow_model
     from benchmarks.measure import run_isolated
 
     spec = dataclasses.replace(settings.model, dtype="bfloat16")

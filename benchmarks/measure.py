@@ -312,3 +312,19 @@ def cuda_sync(device: str) -> Callable[[], None] | None:
     import torch
 
     return torch.cuda.synchronize
+
+
+def quiet() -> None:
+    """No progress bars or info logs from the libraries inside a measured process."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def warm_imports() -> None:
+    """Import what loading a Llama pulls in lazily, so it is not counted as a phase's memory."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401

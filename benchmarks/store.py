@@ -231,8 +231,7 @@ def grid_loads(settings: Any, pair: Any, targets: list[str], calib: str, workdir
 def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from benchmarks.calibration import shadow_model
-    from benchmarks.fixtures import calibration_texts, write_jsonl
+    from benchmarks.fixtures import calibration_texts, shadow_model, write_jsonl
 
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(pair.merged)

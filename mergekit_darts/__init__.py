@@ -7,13 +7,15 @@ export (transformers, vLLM). The subpackages read top-down; each imports only th
 - ``errors``, ``fs``, ``manifest``, ``routing``: one error root, atomic writes, the file names and
   typed manifest, which module serves which lm-eval task;
 - ``core``: the modules, losses, metrics and the LM head's real output path (torch only);
+  ``core/correction.py``, the correction itself, imports nothing of this package and ships
+  inside every export;
 - ``config``: the ``surgery:`` block: schema, resolution, parsing, preflight checks, messages;
 - ``artifacts``, ``apply``: the ``surgery/`` folder written and read; the correction as hooks;
 - ``calibrate``: prompts -> captured hidden states (with a store) -> trained modules -> ``surgery/``;
 - ``integrations``: mergekit's ``run_merge`` and ``mergekit-multi``, the post-merge step, the
   recorded recipe, the model card;
-- ``deploy``: export (``modeling_darts.py`` is the file shipped inside every export, importing
-  only torch and transformers) and ``vllm_plugin``;
+- ``deploy``: export (``modeling_darts.py`` is shipped inside every export next to
+  ``core/correction.py``, importing only torch, transformers and that file) and ``vllm_plugin``;
 - ``analysis``: report, plots, statistics, sweeps; ``demo``: the embedded demo;
 - ``cli``: one thin file per command, imported only when that command runs.
 

@@ -19,7 +19,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from mergekit_darts.core.modules import SurgeryModule, build_module
+from mergekit_darts.core.correction import load_state, state_shapes
+from mergekit_darts.core.modules import SurgeryModule
 from mergekit_darts.core.router import RoutedSurgery, Router
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.fs import staged_folder
@@ -29,7 +30,6 @@ from mergekit_darts.manifest import (
     MANIFEST,
     ROUTER,
     SURGERY_YAML,
-    VERSION,
     Manifest,
     module_file,
 )
@@ -39,8 +39,7 @@ from mergekit_darts.routing import ROUTED
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
     """Tensor names and shapes of a module, from a fresh instance (one source of truth)."""
     with torch.device("meta"):
-        module = build_module(kind, hidden_size, rank, max_positions)
-    return {name: tuple(t.shape) for name, t in sorted(module.state_dict().items())}
+        return state_shapes(SurgeryModule(kind, hidden_size, rank, max_positions).state_dict())
 
 
 def read_manifest(folder: str | Path) -> Manifest:
@@ -55,13 +54,8 @@ def read_manifest(folder: str | Path) -> Manifest:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise SurgeryFormatError(f"{path} is not valid JSON ({err}); re-run the surgery") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or "format" not in manifest:  # its value: Manifest's
         raise SurgeryFormatError(f"{path} is not a {FORMAT!r} manifest")
-    if manifest.get("version") != VERSION:
-        raise SurgeryFormatError(
-            f"{path} has format version {manifest.get('version')!r}, this package reads version "
-            f"{VERSION}: upgrade mergekit-darts or re-run the surgery"
-        )
     if not isinstance(manifest.get("tasks"), dict) or not manifest["tasks"]:
         raise SurgeryFormatError(f"{path} lists no surgery tasks")
     return Manifest.from_dict(manifest, where=str(path))
@@ -136,7 +130,7 @@ def _load_module(folder: Path, manifest: Manifest, task: str) -> SurgeryModule:
 
     def build() -> SurgeryModule:
         try:
-            return build_module(kind, hidden_size, rank, max_positions)
+            return SurgeryModule(kind, hidden_size, rank, max_positions)
         except ValueError as err:
             raise SurgeryFormatError(f"manifest entry of task {task!r}: {err}") from err
 
@@ -174,8 +168,8 @@ def _load_bound(
     except SafetensorError as err:
         raise SurgeryFormatError(f"{file} is not a readable safetensors file ({err})") from err
     with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in sorted(build().state_dict().items())}
-    found = {name: tuple(t.shape) for name, t in sorted(tensors.items())}
+        expected = state_shapes(build().state_dict())
+    found = state_shapes(tensors)
     if found != expected:
         raise SurgeryFormatError(f"{file} holds tensors {found}, but {described} needs {expected}")
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
@@ -184,9 +178,7 @@ def _load_bound(
             "copied, swapped or edited since it was written): restore it, or re-run "
             "`mergekit-darts calibrate ... --overwrite`"
         )
-    module = build()
-    module.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
-    return module
+    return load_state(build(), tensors)
 
 
 def load_routed(folder: str | Path, *, weights: str | Path | None = None) -> RoutedSurgery:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from mergekit_darts.core.spec import ModuleSpec
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.messages import describe_error
 from mergekit_darts.routing import check_task_name
@@ -62,13 +63,11 @@ class _Record(BaseModel):
         return self.model_dump(mode="json", exclude_none=True)
 
 
-class TaskEntry(_Record):
-    """One task's module: what ``load_surgery`` needs, what it serves, and how it was made."""
+class TaskEntry(ModuleSpec, _Record):
+    """One task's module (its :class:`ModuleSpec`, what ``load_surgery`` builds), what it serves,
+    and how it was made."""
 
-    module: str
     loss: str | None = None
-    rank: int
-    max_positions: int
     steps: int | None = None
     lr: float | None = None
     batch_size: int | None = None
@@ -136,8 +135,8 @@ class RouterEntry(_Record):
 class Manifest(_Record):
     """``surgery/manifest.json``: shared facts about the run, and one :class:`TaskEntry` per task."""
 
-    format: str = FORMAT
-    version: int = VERSION
+    format: Literal[FORMAT] = FORMAT
+    version: Literal[VERSION] = VERSION
     hidden_size: int
     vocab_size: int | None = None
     config: str | None = None  # the block as run, relative to surgery/
@@ -151,6 +150,23 @@ class Manifest(_Record):
     merged_identity: str | None = None
     tasks: dict[str, TaskEntry]
     router: RouterEntry | None = None  # present when the block had ``route:``
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format(cls, value: Any) -> Any:
+        if value != FORMAT:
+            raise ValueError(f"{value!r} is not a {FORMAT!r} manifest")
+        return value
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version(cls, value: Any) -> Any:
+        if value != VERSION:
+            raise ValueError(
+                f"format version {value!r}, this package reads version {VERSION}: upgrade "
+                "mergekit-darts or re-run the surgery"
+            )
+        return value
 
     @field_validator("config")
     @classmethod

@@ -11,12 +11,9 @@ from __future__ import annotations
 import fnmatch
 import string
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mergekit_darts.errors import SurgeryFormatError
-
-if TYPE_CHECKING:
-    from mergekit_darts.manifest import Manifest
 
 NONE = "none"  # no correction
 AUTO = "auto"  # one module per request, chosen by its lm-eval task
@@ -94,7 +91,17 @@ def eval_task_routes(claims: Iterable[tuple[str, Sequence[str] | None]]) -> dict
     return routes
 
 
-def manifest_routes(manifest: Manifest) -> dict[str, str]:
+class _Entry(Protocol):
+    eval_tasks: list[str]
+
+
+class _Tasks(Protocol):
+    """What routing reads of a manifest (``manifest.Manifest``, which imports this module)."""
+
+    tasks: Mapping[str, _Entry]
+
+
+def manifest_routes(manifest: _Tasks) -> dict[str, str]:
     """{lm-eval task: surgery task} from each manifest task's ``eval_tasks`` (default: its name)."""
     claims = ((name, entry.eval_tasks) for name, entry in manifest.tasks.items())
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +17,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+import transformers.dynamic_module_utils  # noqa: E402
 from tiny import PROMPTS, build_tokenizer, save_model  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def modules_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """transformers copies trust_remote_code modules here (not into ~/.cache). One folder for the
+    whole session: transformers imports its ``transformers_modules`` package from the first one
+    it is given, and a shipped file's relative import resolves through that package."""
+    folder = tmp_path_factory.mktemp("hf_modules")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(folder))
+        yield folder
 
 
 @dataclass

@@ -85,6 +85,15 @@ def _edit_manifest(folder, **changes):
         (lambda f: _edit_manifest(f, format="other"), "is not a 'darts-surgery' manifest"),
         (lambda f: _edit_manifest(f, version=99), "format version 99"),
         (lambda f: _edit_manifest(f, tasks={}), "lists no surgery tasks"),
+        (lambda f: _edit_manifest(f, format=None), "is not a 'darts-surgery' manifest"),
+        (
+            lambda f: _edit_manifest(f, tasks={"math": {"module": "lora", "rank": R}}),
+            r"manifest.tasks.math.module: 'lora' is not allowed; choose one of standard, pos_corr",
+        ),
+        (
+            lambda f: _edit_manifest(f, tasks={"math": {"module": "pos_corr", "rank": 0}}),
+            "manifest.tasks.math.rank: must be > 0",
+        ),
         (
             lambda f: _edit_manifest(f, hidden_size=13),
             r"hidden_size=13.* needs \{'down.weight': \(3, 13\)",

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mergekit_darts.demo.domains import DOMAIN_NAMES
-from mergekit_darts.demo.evidence import NONE_LABEL, Point, correlations, selection_outcomes
+from mergekit_darts.demo.evidence import (
+    NONE_LABEL,
+    Point,
+    correlations,
+    pooled,
+    selection_outcomes,
+    verdict_outcomes,
+)
 
 VARIANTS = ["A", "B", "C"]
 # exact match and agreement per (domain, variant); KL is made to rank exactly like agreement
@@ -63,3 +72,54 @@ def test_outcomes_compare_selection_with_fixed_variants_and_the_oracle():
     assert outcome["best_fixed_label"] == "A" and outcome["best_fixed"] == pytest.approx(50 / 3)
     assert outcome["oracle"] == pytest.approx(70 / 3)
     assert outcome["kept"] == {"code": "B", "math": "B", "instruct": "B"}
+
+
+def _verdict_points() -> list[Point]:
+    """One merge, three domains; per-prompt completion match of none and two corrections over
+    10 held-out prompts, and their exact match on the evaluation items."""
+    none = [0] * 10
+    clear = [1] * 7 + [0] * 3  # 7 better, 0 worse: p = 1/128, passes 0.05 / 2
+    weak = [1] * 5 + [0] * 5  # 5 better, 0 worse: p = 1/32, fails 0.05 / 2
+    worse = [0] * 10
+    plan = {  # domain -> [(variant, per-prompt match, exact match)]
+        "code": [(NONE_LABEL, none, 50), ("A", clear, 60), ("B", weak, 70)],
+        "math": [(NONE_LABEL, none, 40), ("A", weak, 30), ("B", worse, 20)],
+        "instruct": [(NONE_LABEL, none, 30), ("A", clear, 20), ("B", clear, 25)],
+    }
+    points = []
+    for domain, rows in plan.items():
+        for variant, match, em in rows:
+            verdict = {
+                "completion_match": [float(m) for m in match],
+                "completion_agreement": [0.5] * 10,  # no prompt differs: nothing passes
+                "completion_rho_l1": [0.0 if variant == NONE_LABEL else 0.1] * 10,  # all better
+            }
+            metrics = {f"verdict_{k}": sum(v) / 10 for k, v in verdict.items()}
+            points.append(Point("m", "prompts", domain, variant, em, metrics, verdict=verdict))
+    return points
+
+
+def test_verdict_outcomes_keep_only_what_passes_the_sign_test():
+    rows = {r["metric"]: r for r in verdict_outcomes(_verdict_points())}
+    match = rows["completion_match"]
+    # code: A passes (60 - 50); math: nothing passes (none kept, 0); instruct: A and B pass with
+    # the same mean, the first (A) is kept (20 - 30)
+    assert (match["cells"], match["kept_correction"], match["at_least_none"]) == (3, 2, 2)
+    assert match["mean_delta"] == pytest.approx((10 + 0 - 10) / 3)
+    assert (match["min_delta"], match["max_delta"]) == (-10, 10)
+    agreement = rows["completion_agreement"]
+    assert agreement["kept_correction"] == 0 and agreement["mean_delta"] == 0
+    rho = rows["completion_rho_l1"]  # A and B better on all 10 prompts, equal means: A kept
+    assert rho["kept_correction"] == 3
+    assert rho["mean_delta"] == pytest.approx((10 - 10 - 10) / 3)
+
+
+def test_pooled_reads_several_results_files(tmp_path):
+    paths = []
+    for run in range(2):
+        path = tmp_path / f"results{run}.json"
+        path.write_text(json.dumps({"held_out": [vars(p) for p in _verdict_points()]}))
+        paths.append(path)
+    text = pooled(paths)
+    # each run's merge is its own cell: twice the cells of one run, same mean
+    assert "| prompts | completion_match | 6 | 4 | 4 | +0.0 | -10.0 | +10.0 |" in text

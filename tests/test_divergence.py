@@ -24,7 +24,8 @@ def _block(tiny_family, calibration_data, **task) -> dict:
         "max_length": 16,
     }
     entry = {"name": "math", "target": str(tiny_family.math), "calibration": calibration}
-    return {"steps": 10, "batch_size": 4, "rank": 4, "max_positions": 16, "tasks": [entry | task]}
+    block = {"steps": 10, "batch_size": 4, "rank": 4, "max_positions": 16, "select": "off"}
+    return block | {"tasks": [entry | task]}  # the paper's recipe: one module, no selection
 
 
 @pytest.fixture
@@ -73,8 +74,8 @@ def test_divergence_compares_the_loss_over_every_training_token(
     """loss_start / loss_end against l1 computed here from the captures (the module is the identity at init)."""
     from mergekit_darts.calibrate.pipeline import capture_tasks, prepare_surgery
     from mergekit_darts.calibrate.train import DIVERGENCE_FACTOR, TrainSettings, train_surgery
+    from mergekit_darts.core.correction import token_positions
     from mergekit_darts.core.modules import build_module
-    from mergekit_darts.deploy.modeling_darts import token_positions
 
     block = _block(tiny_family, calibration_data) | {"cache_dtype": "float32"}
     prepared = prepare_surgery(block, reference=str(merged), reference_label="m", out_path=merged)

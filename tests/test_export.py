@@ -17,14 +17,12 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
-import transformers.dynamic_module_utils
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from test_vllm_plugin_light import BAD_SECTIONS
@@ -35,32 +33,22 @@ from mergekit_darts import apply_surgery
 from mergekit_darts.artifacts import expected_shapes, write_surgery_folder
 from mergekit_darts.calibrate.train import positions_of
 from mergekit_darts.cli import main
-from mergekit_darts.core.modules import MODULE_KINDS
-from mergekit_darts.deploy import modeling_darts
-from mergekit_darts.deploy.export import MODELING_FILE, export
-from mergekit_darts.deploy.modeling_darts import (
+from mergekit_darts.core.correction import (
     DartsSurgery,
     call_positions,
-    darts_section,
     head_positions,
     token_positions,
-    weights_fingerprint,
 )
+from mergekit_darts.core.modules import MODULE_KINDS
+from mergekit_darts.deploy import modeling_darts
+from mergekit_darts.deploy.export import MODELING_FILE, SHIPPED_FILES, export
+from mergekit_darts.deploy.modeling_darts import darts_section, weights_fingerprint
 
 RANK, MAX_POSITIONS = 4, 8  # the test prompts run past 8 tokens: positions off the table too
 # the kinds with tensors, each exported as a task of its own name ("none" is a reserved task name:
 # the none module, and routed exports, are tested in test_export_routed.py)
 KINDS = tuple(kind for kind in MODULE_KINDS if kind != "none")
 STEPS = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def modules_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """transformers copies trust_remote_code modules here (not into ~/.cache)."""
-    folder = tmp_path_factory.mktemp("hf_modules")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(folder))
-        yield folder
 
 
 def write_random_surgery(folder: Path, hidden_size: int, kinds: tuple[str, ...]) -> None:
@@ -255,7 +243,8 @@ def test_save_pretrained_round_trip(
     # the saved copy's weight files are its own: the export's record of its linked files stays out
     assert "weights" in original["darts"]
     assert config["darts"] == {k: v for k, v in original["darts"].items() if k != "weights"}
-    assert (tmp_path / "saved" / "modeling_darts.py").read_bytes() == MODELING_FILE.read_bytes()
+    for name, shipped in SHIPPED_FILES.items():  # the correction it imports travels with it
+        assert (tmp_path / "saved" / name).read_bytes() == shipped.read_bytes()
     again = load(tmp_path / "saved")
     with torch.no_grad():
         assert torch.equal(again(**batch).logits, model(**batch).logits)
@@ -336,16 +325,28 @@ def test_loads_where_mergekit_darts_is_not_installed(
 
 
 def test_shipped_file_imports_only_torch_and_transformers() -> None:
-    tree = ast.parse(MODELING_FILE.read_text())
-    imported = {
-        name.split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        for name in (
-            [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-        )
-    }
-    assert imported - set(sys.stdlib_module_names) == {"torch", "transformers"}
+    """Both shipped files: torch, transformers and the standard library, plus (relatively) each
+    other, under the names the export gives them."""
+    relative: set[str] = set()
+    for shipped in SHIPPED_FILES.values():
+        tree = ast.parse(shipped.read_text())
+        imported = {
+            name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0)
+            for name in (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+            )
+        }
+        assert imported - set(sys.stdlib_module_names) <= {"torch", "transformers"}, shipped
+        relative |= {
+            f"{node.module}.py"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level
+        }
+    assert relative == set(SHIPPED_FILES) - {MODELING_FILE.name}
 
 
 def test_lm_eval_hf_on_the_export_equals_hf_darts(merged: Path, exported: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
-from test_export import (  # noqa: F401  (modules_cache: the autouse fixture)
+from test_export import (
     MAX_POSITIONS,
     RANK,
     STEPS,
@@ -29,7 +29,6 @@ from test_export import (  # noqa: F401  (modules_cache: the autouse fixture)
     head_input,
     load,
     logits_without_darts,
-    modules_cache,
     positions_by_hand,
     snapshot,
     unbind_surgery_file,

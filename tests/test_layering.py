@@ -31,7 +31,7 @@ print(json.dumps(sorted(sys.modules)))
 @pytest.mark.parametrize(
     ("package", "forbidden"),
     [
-        ("mergekit_darts.core", ("config", *LATER_LAYERS)),
+        ("mergekit_darts.core", ("config", "deploy", *LATER_LAYERS)),
         ("mergekit_darts.config", LATER_LAYERS),
         ("mergekit_darts.calibrate", LATER_LAYERS[1:]),
     ],
@@ -50,10 +50,14 @@ def test_layer_imports_without_what_comes_after_it(package, forbidden):
 
 
 # Top-down: each layer may import itself and the layers listed before it, nothing after.
-# deploy/modeling_darts.py is shipped inside exports and imports nothing from this package, so it
-# sits with the foundations.
+# core/correction.py and deploy/modeling_darts.py are shipped inside exports and import nothing
+# from this package (the second imports the first relatively, through deploy/darts_correction.py),
+# so they sit with the foundations.
 LAYERS = [
     (
+        "core.correction",
+        "core.spec",
+        "deploy.darts_correction",
         "errors",
         "envflags",
         "fs",
@@ -124,3 +128,83 @@ def test_lm_eval_darts_builds_on_the_core_never_the_reverse():
                 names = [node.module or ""]
             reverse += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "lm_eval_darts"]
     assert not reverse, reverse
+
+
+def _imports(package: Path, root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same tree it imports: at the top, inside functions and under
+    ``TYPE_CHECKING`` alike (a cycle through any of them is still a cycle), relative ones resolved."""
+    modules = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted(package.rglob("*.py"))
+    }
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                target = ".".join([*base, node.module] if node.module else base)
+                names = [target, *(f"{target}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    found.add(name)
+        graph[module] = found
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("package", ["mergekit_darts", "lm_eval_darts", "benchmarks"])
+def test_no_import_cycles(package: str) -> None:
+    """No two modules import each other, directly or through others: each module can be read,
+    tested and imported knowing only what it imports."""
+    root = Path(__file__).resolve().parents[1]
+    assert _cycles(_imports(root / package, root)) == []

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from mergekit_darts import load_surgery, run_surgery
 from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError, SurgeryRunError
-from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
+from mergekit_darts.integrations.mergekit_hook import merge_with_surgery, refuse_unread_block
 
 BIN = Path(sys.executable).parent
 
@@ -68,6 +68,7 @@ VIA_DARTS_CLI = "della"  # the one method run through `mergekit-darts merge`
 SURGERY = {
     "steps": 20,
     "batch_size": 4,
+    "select": "off",  # the paper's recipe: every task trains its module (the default may keep none)
     "tasks": [
         {
             "name": "math",
@@ -379,6 +380,25 @@ def test_no_copy_tokenizer_is_refused_before_merging(workdir, tmp_path, monkeypa
             source,
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_block_run_merge_was_not_given_stops_the_merge(workdir, tmp_path, monkeypatch):
+    """A mergekit whose `mergekit-yaml` calls run_merge without the YAML text (config_source):
+    the block on its command line would be skipped silently; one line instead, before merging."""
+    monkeypatch.chdir(workdir)
+    with_block, without = tmp_path / "with.yml", tmp_path / "without.yml"
+    with_block.write_text(merge_yaml("linear"))
+    without.write_text(merge_yaml("linear", None))
+    out = tmp_path / "out"
+    config = MergeConfiguration.model_validate(yaml.safe_load(with_block.read_text()))
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/mergekit-yaml", str(with_block), str(out)])
+    with pytest.raises(SurgeryConfigError, match="without the YAML text") as info:
+        mergekit.merge.run_merge(config, str(out), MergeOptions(quiet=True))  # the hooked one
+    assert "\n" not in str(info.value) and f"calibrate OUT_PATH {with_block}" in str(info.value)
+    assert not out.exists()
+    # what decides: a block in a YAML of mergekit-yaml's command line, and nothing else
+    refuse_unread_block(["/venv/bin/mergekit-yaml", str(without), str(out)])
+    refuse_unread_block(["/venv/bin/mergekit-multi", str(with_block), "--out-path", str(out)])
 
 
 def test_calibrate_with_a_new_block_updates_the_recorded_recipe(workdir, tmp_path, monkeypatch):

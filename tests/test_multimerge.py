@@ -25,6 +25,7 @@ BIN = Path(sys.executable).parent
 
 def block(target: str, steps: int = 5) -> dict:
     return {
+        "select": "off",  # one trained module per stage
         "steps": steps,
         "batch_size": 4,
         "tasks": [

@@ -36,6 +36,7 @@ def surgery_folder(tiny_family, tiny_merged, tmp_path_factory):
     calib.write_text("".join(json.dumps({"text": p}) + "\n" for p in tiny_family.prompts))
     calibration = {"path": str(calib), "num_samples": 8, "max_length": 16}
     block = {
+        "select": "off",  # the paper's recipe: a trained module to report on
         "rank": 4,
         "max_positions": 16,
         "steps": 8,

@@ -34,6 +34,7 @@ def one_task(config: dict, files: Path) -> None:
 def few_prompts(config: dict, files: Path) -> None:
     config["surgery"]["tasks"][1]["calibration"]["num_samples"] = 1
     config["surgery"]["route"] = {"holdout": 0.2}
+    config["surgery"]["select"] = "off"  # else the default selection's holdout is refused first
 
 
 BAD_ROUTE = [

@@ -63,6 +63,7 @@ def routed_block(tiny_family, files: dict[str, Path], **route) -> dict:
     background = {"path": str(files["general"]), **calibration}
     return {
         "steps": 5,
+        "select": "off",  # one module per task, the captures counted below
         "batch_size": 4,
         "rank": 4,
         "max_positions": MAX_LENGTH,

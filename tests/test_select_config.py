@@ -37,7 +37,8 @@ BAD_SELECT = [
     (
         "unknown metric",
         block(select=select(metric="accuracy")),
-        "surgery.select.metric: 'accuracy' is not allowed; choose one of agreement, kl or rho_l1",
+        "surgery.select.metric: 'accuracy' is not allowed; choose one of agreement, kl, rho_l1, "
+        "completion_match, completion_agreement or completion_rho_l1",
     ),
     ("unknown select key", block(select=select(folds=5)), "surgery.select.folds: unknown key"),
     (
@@ -122,13 +123,17 @@ def test_task_values_win_over_the_block_and_candidates_inherit_the_task():
         c.holdout == 0.2 and c.select.metric == "kl" and c.select_key == "surgery.tasks[2].select"
     )
     assert [(x.module, x.loss, x.rank) for x in a.candidates()] == [
+        ("none", "l1", 4),  # the verdict's baseline, always a candidate
         ("standard", "l1", 4),
         ("pos_corr", "l1", 4),
         ("pos_corr", "ewl1", 4),
     ]
     assert [(x.loss, x.lr) for x in c.candidates()] == [("l1", 0.01)]
     assert (
-        a.needs_logits
+        not a.needs_logits  # the verdict compares top-1 tokens with the target's completions
+        and resolve_tasks(
+            parse_surgery({"select": select(metric="kl"), "tasks": [{"name": "x", **base}]})
+        )[0].needs_logits
         and not resolve_tasks(
             parse_surgery({"select": select(metric="rho_l1"), "tasks": [{"name": "x", **base}]})
         )[0].needs_logits

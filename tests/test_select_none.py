@@ -97,7 +97,7 @@ def test_module_none_outright_is_the_baseline(tiny_family, tiny_merged, calibrat
         "max_positions": 16,
         "tasks": [
             _task("math", tiny_family.math, calibration_data, module="none", holdout=0.25),
-            _task("code", tiny_family.code, calibration_data),
+            _task("code", tiny_family.code, calibration_data, module="pos_corr"),
         ],
     }
     manifest = run_surgery(merged, block, progress=False, write_card=False)

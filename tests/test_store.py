@@ -57,6 +57,7 @@ def block(family: dict[str, Path], cache_dir: Path | None = None) -> dict:
         source = "code" if task["name"] == "code" else "math"
         task["calibration"] = {"path": str(family["data"] / f"{source}.jsonl"), **calibration}
     config = {"steps": 6, "batch_size": 4, "rank": 4, "max_positions": 16, "tasks": tasks}
+    config["select"] = "off"  # one module per task: the capture counts below are its
     config["cache_dtype"] = "float32"
     if cache_dir is not None:
         config["cache_dir"] = str(cache_dir)

@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import tiny
 import torch
-from test_export import modules_cache  # noqa: F401  (the autouse fixture)
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import apply_surgery, load_surgery

@@ -58,6 +58,7 @@ def spec_file(tiny_family, tiny_merged, tmp_path_factory):
     calib.write_text("".join(json.dumps({"text": p}) + "\n" for p in tiny_family.prompts))
     _write_tasks(root / "tasks")
     block = {
+        "select": "off",  # one trained module per cell
         "rank": 4,
         "max_positions": 16,
         "steps": 3,

@@ -67,7 +67,17 @@ def test_prefix_target_calibrates(tiny_family, calibration_data, extended, tmp_p
     )
     out = tmp_path / "out"
     manifest = merge(config, out)
+    _measured_by_the_verdict(manifest["tasks"]["math"])
+    config["surgery"]["select"] = "off"  # the paper's recipe: one module, trained
+    manifest = merge(config, tmp_path / "off")
     assert manifest["tasks"]["math"]["metrics"]["rho_l1"] > 0
+
+
+def _measured_by_the_verdict(entry: dict) -> None:
+    """The default selection ran its verdict with the merged head (any target vocabulary)."""
+    for candidate in entry["selection"]["candidates"]:
+        assert None not in candidate["verdict"]["completion_match"]
+    assert entry["selection"]["verdict"].startswith("kept ")
 
 
 def _padded(config: dict) -> dict:
@@ -87,8 +97,8 @@ def test_padded_merged_vocabulary_calibrates(tiny_family, calibration_data, tmp_
     rows = len(build_tokenizer())
     assert json.loads((out / "config.json").read_text())["vocab_size"] == -(-rows // 64) * 64 > rows
     assert manifest["vocab_size"] == 128
-    for name in ("math", "code"):
-        assert manifest["tasks"][name]["metrics"]["rho_l1"] > 0
+    _measured_by_the_verdict(manifest["tasks"]["math"])  # the default
+    assert manifest["tasks"]["code"]["metrics"]["rho_l1"] > 0
 
 
 def test_padded_merge_refuses_kl_before_merging(tiny_family, calibration_data, tmp_path):

@@ -146,15 +146,21 @@ def test_no_darts_section_at_all() -> None:
 
 HEAVY = {"rich", "click", "pydantic", "mergekit", "lm_eval", "lm_eval_darts"}
 SHIPPED = "mergekit_darts.deploy.modeling_darts"
+# what the shipped file imports relatively: core/correction.py under its shipped name
+CORRECTION = {
+    "mergekit_darts.core",
+    "mergekit_darts.core.correction",
+    "mergekit_darts.deploy.darts_correction",
+}
 
 
 @pytest.mark.parametrize(
     "module, loaded",
     [
-        (SHIPPED, {"mergekit_darts.deploy"}),
+        (SHIPPED, {"mergekit_darts.deploy", *CORRECTION}),
         (
             "mergekit_darts.vllm_plugin.config",
-            {"mergekit_darts.deploy", SHIPPED, "mergekit_darts.vllm_plugin"},
+            {"mergekit_darts.deploy", SHIPPED, "mergekit_darts.vllm_plugin", *CORRECTION},
         ),
     ],
 )

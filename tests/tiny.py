@@ -7,6 +7,7 @@ differs from each expert (the surgery has something to correct) while all share 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -65,14 +66,15 @@ def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def random_module(
-    kind: str, hidden_size: int, rank: int, max_positions: int, seed: int
+    kind: str, hidden_size: int, rank: int, max_positions: int, seed: int, scale: float = 0.3
 ) -> SurgeryModule:
-    """A surgery module with every weight random and non-zero, so the correction is visible."""
+    """A surgery module with every weight random and non-zero, so the correction is visible
+    (weights of standard deviation ``scale``)."""
     module = build_module(kind, hidden_size, rank, max_positions, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in module.parameters():
-            param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+            param.copy_(scale * torch.randn(param.shape, generator=generator))
     return module.eval()
 
 
@@ -97,11 +99,13 @@ def write_routed_surgery(
     rank: int = 4,
     max_positions: int = 10,
     seed: int = 0,
+    scale: float = 0.3,
 ) -> dict[str, SurgeryModule]:
-    """``folder`` (a ``surgery/`` folder) with one random module per task (name -> kind) and a
-    random router over all of them; returns the modules by task name."""
+    """``folder`` (a ``surgery/`` folder) with one random module per task (name -> kind), weights
+    of standard deviation ``scale``, and a random router over all of them; returns the modules by
+    task name."""
     modules = {
-        name: random_module(kind, hidden_size, rank, max_positions, seed=seed + i)
+        name: random_module(kind, hidden_size, rank, max_positions, seed=seed + i, scale=scale)
         for i, (name, kind) in enumerate(kinds.items(), start=1)
     }
     router = random_router(hidden_size, list(kinds), background, seed=seed)
@@ -171,3 +175,38 @@ PROMPTS = [
     "question : nine minus four is",
     "def mul ( k , l ) : return k times l",
 ]
+
+
+def routed_merge_recipe(
+    base: Path,
+    root: Path,
+    kinds: dict[str, str],
+    calibration: dict[str, Any],
+    **surgery: Any,
+) -> dict[str, Any]:
+    """The merge YAML (as a dict) of a routed test family under ``root``: the experts
+    ``root/<name>`` merged with ``base`` by task arithmetic (weight 0.5 each) with one surgery
+    block, one task per expert (name -> module kind) calibrated on ``root/<name>.jsonl``, routed
+    with background ``root/general.jsonl``; ``surgery`` adds training settings."""
+    return {
+        "merge_method": "task_arithmetic",
+        "base_model": str(base),
+        "models": [{"model": str(root / name), "parameters": {"weight": 0.5}} for name in kinds],
+        "dtype": "float32",
+        "surgery": {
+            **surgery,
+            "route": {
+                "holdout": 0.25,
+                "background": {"path": str(root / "general.jsonl"), **calibration},
+            },
+            "tasks": [
+                {
+                    "name": name,
+                    "target": str(root / name),
+                    "module": kind,
+                    "calibration": {"path": str(root / f"{name}.jsonl"), **calibration},
+                }
+                for name, kind in kinds.items()
+            ],
+        },
+    }

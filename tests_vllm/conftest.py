@@ -30,7 +30,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import tiny  # noqa: E402
 import torch  # noqa: E402
-from tiny import build_tokenizer, save_model  # noqa: E402
+from tiny import build_tokenizer, routed_merge_recipe, save_model  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from mergekit_darts import SurgeryModule  # noqa: E402
@@ -202,35 +202,10 @@ def routed_exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Expor
         lines = [" ".join(rng.choices(words, k=rng.randint(6, 14))) for _ in range(16)]
         (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
     calibration = {"field": "text", "max_length": 24}
-    recipe = {
-        "merge_method": "task_arithmetic",
-        "base_model": str(root / "base"),
-        "models": [
-            {"model": str(root / name), "parameters": {"weight": 0.5}} for name in ROUTED_KINDS
-        ],
-        "dtype": "float32",
-        "surgery": {
-            "steps": 40,
-            "lr": 1e-2,
-            "loss": "l1",
-            "rank": RANK,
-            "max_positions": MAX_POSITIONS,
-            "cache_dtype": "float32",
-            "route": {
-                "holdout": 0.25,
-                "background": {"path": str(root / "general.jsonl"), **calibration},
-            },
-            "tasks": [
-                {
-                    "name": name,
-                    "target": str(root / name),
-                    "module": kind,
-                    "calibration": {"path": str(root / f"{name}.jsonl"), **calibration},
-                }
-                for name, kind in ROUTED_KINDS.items()
-            ],
-        },
-    }
+    surgery = dict(steps=40, lr=1e-2, loss="l1", rank=RANK, max_positions=MAX_POSITIONS)
+    recipe = routed_merge_recipe(
+        root / "base", root, ROUTED_KINDS, calibration, cache_dtype="float32", **surgery
+    )
     (root / "merge.yml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     merged = root / "merged"
     subprocess.run([BIN / "mergekit-yaml", root / "merge.yml", merged], check=True)

@@ -71,7 +71,7 @@ def test_routed_and_none_surgery_tensors_load_and_are_checked() -> None:
 
     from tiny import random_module, random_router
 
-    from mergekit_darts.deploy.modeling_darts import DartsRoutedSurgery, DartsSurgery
+    from mergekit_darts.core.correction import DartsRoutedSurgery, DartsSurgery
     from mergekit_darts.vllm_plugin.model import SURGERY, darts_model_class
 
     cls = darts_model_class("LlamaForCausalLM")
@@ -80,7 +80,7 @@ def test_routed_and_none_surgery_tensors_load_and_are_checked() -> None:
         for n, k in ROUTED_KINDS.items()
     ]
     model = SimpleNamespace()
-    setattr(model, SURGERY, DartsRoutedSurgery(tasks, True, HIDDEN))
+    setattr(model, SURGERY, DartsRoutedSurgery.zeros(tasks, True, HIDDEN))
     modules = {
         n: random_module(k, HIDDEN, RANK, MAX_POSITIONS, seed=i)
         for i, (n, k) in enumerate(ROUTED_KINDS.items())

@@ -167,7 +167,7 @@ def _capture_all(
     per model, not per capture). A task that needs the model's own logits has the head checked on
     the first batch of the first capture (or when a stored entry is read), before the rest.
     """
-    keys = {}
+    keys: dict[int, str] = {}
     needs: dict[str, tuple[bool, bool]] = {}
     requires: dict[str, tuple[str, str]] = {}  # key -> (task, what needs the logits)
     for cal in calibrations:
@@ -180,7 +180,7 @@ def _capture_all(
             device=runtime.device,
             device_map=runtime.device_map,
         )
-        keys[cal.name] = key
+        keys[id(cal)] = key  # names may repeat: a task's held-out completions are its own
         entropy, head = needs.get(key, (False, False))
         needs[key] = (entropy or with_entropy, head or cal.with_head)
         if cal.head_need is not None:
@@ -189,7 +189,7 @@ def _capture_all(
     shared: OutputHead | None = None
     timing = f"capture_{role}_s"
     for cal in calibrations:
-        key = keys[cal.name]
+        key = keys[id(cal)]
         if key not in done:
             lengths = [len(s) for s in cal.sequences]
             owner, need = requires.get(key, (cal.name, None))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 
 from mergekit_darts.calibrate.capture import input_device
 
@@ -35,8 +35,22 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
 
 def eos_token_ids(model: nn.Module, tokenizer: object | None = None) -> set[int]:
     """Every id that ends a completion: the model's generation config, its config, the tokenizer."""
+    return _eos_of(getattr(model, "generation_config", None), model.config, tokenizer)
+
+
+def saved_eos_token_ids(folder: str, tokenizer: object, trust_remote_code: bool) -> set[int]:
+    """``eos_token_ids`` of a saved model, from its config files (no weights are read)."""
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json
+        generation = None
+    return _eos_of(generation, config, tokenizer)
+
+
+def _eos_of(*sources: object) -> set[int]:
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+    for source in sources:
         value = getattr(source, "eos_token_id", None)
         ids.update([value] if isinstance(value, int) else (value or []))
     return ids

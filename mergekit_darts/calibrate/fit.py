@@ -19,7 +19,13 @@ from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.collect import logits_need
 from mergekit_darts.calibrate.data import Prompts
 from mergekit_darts.calibrate.runtime import Runtime, stage, timer
-from mergekit_darts.calibrate.selection import HeldOut, choose, held_out_metrics, holdout_split
+from mergekit_darts.calibrate.selection import (
+    HeldOut,
+    candidate_label,
+    choose,
+    held_out_metrics,
+    holdout_split,
+)
 from mergekit_darts.calibrate.train import (
     TrainResult,
     TrainSettings,
@@ -27,6 +33,7 @@ from mergekit_darts.calibrate.train import (
     in_rows,
     train_surgery,
 )
+from mergekit_darts.calibrate.verdict import HeldOutCompletions, completion_scores, decide, mean
 from mergekit_darts.config import OVERRIDABLE, ResolvedTask
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.errors import HeadError, SurgeryRunError
@@ -53,6 +60,7 @@ class TaskRun:
     held_rows: torch.Tensor | None = None  # sequences held out from training
     held_out: dict[str, Any] | None = None  # manifest `held_out`
     selection: dict[str, Any] | None = None  # manifest `selection`
+    held_completions: HeldOutCompletions | None = None  # held-out prompts + target completions
 
     def loss_mask(self, task: ResolvedTask | None = None) -> torch.Tensor:
         """[N, T] bool on the CPU: the real tokens the loss and rho_L1 cover."""
@@ -149,7 +157,9 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
     """Every candidate on the training rows, scored on the held-out rows; returns the best.
 
     The score covers the task's loss positions; with completions each candidate is also
-    measured on the completion tokens alone (recorded, not used for the choice). A candidate
+    measured on the completion tokens alone (recorded, not used for the choice). With a verdict
+    metric the choice is :func:`~mergekit_darts.calibrate.verdict.decide`'s, on the target's
+    completions of the held-out prompts (``none`` unless a correction passes). A candidate
     whose training diverged is left out of the choice, with a warning and its reason recorded
     as ``diverged`` in its manifest entry (its numbers are null); if every one did, the run stops.
     """
@@ -182,9 +192,11 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
             held["completion"] = held_out_metrics(
                 result.module, run.merged, run.target, completion
             ).summary()
-        entries.append(
-            {**settings_of(candidate), "held_out": held, "final_loss": result.final_loss}
-        )
+        entry = {**settings_of(candidate), "held_out": held, "final_loss": result.final_loss}
+        if run.held_completions is not None:
+            entry["verdict"] = completion_scores(result.module, run.held_completions)
+            held.update({name: mean(values) for name, values in entry["verdict"].items()})
+        entries.append(entry)
     if all("diverged" in e for e in entries):
         raise SurgeryRunError(
             f"surgery task {task.name!r}: training diverged for every select candidate "
@@ -192,7 +204,12 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
             f"{', '.join(sorted({f'{c.lr:g}' for c in candidates}))}, default 1e-3); the merged "
             "model and any existing surgery/ folder are unchanged"
         )
-    chosen = choose([e["held_out"][select.metric] for e in entries], select.metric)
+    verdict = None
+    if run.held_completions is None:
+        chosen = choose([e["held_out"][select.metric] for e in entries], select.metric)
+    else:
+        labels = [candidate_label(e, entries) for e in entries]
+        chosen, verdict = decide(entries, labels, select.metric, select.alpha)
     run.result = results[chosen]
     run.selection = {
         "metric": select.metric,
@@ -202,6 +219,10 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
         "candidates": entries,
         "chosen": chosen,
     }
+    if verdict is not None:
+        run.selection.update(
+            completion_tokens=select.completion_tokens, alpha=select.alpha, verdict=verdict
+        )
     return candidates[chosen], results[chosen].module
 
 

@@ -29,6 +29,7 @@ from mergekit_darts.calibrate.collect import (
     capture_target,
     group_by_target,
 )
+from mergekit_darts.calibrate.continuation import saved_eos_token_ids
 from mergekit_darts.calibrate.data import (
     Prompts,
     calibration_ids,
@@ -39,7 +40,9 @@ from mergekit_darts.calibrate.data import (
 from mergekit_darts.calibrate.fit import TaskRun, require_completion_tokens, train_task
 from mergekit_darts.calibrate.route import FittedRouter, fit_router, route_classes
 from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer, stage
+from mergekit_darts.calibrate.selection import holdout_split
 from mergekit_darts.calibrate.store import CaptureStore, check_cache_dir
+from mergekit_darts.calibrate.verdict import HeldOutCompletions, completion_reference
 from mergekit_darts.calibrate.write import calibration_record, write_surgery
 from mergekit_darts.config import (
     ResolvedTask,
@@ -279,13 +282,22 @@ def capture_tasks(
         run.task.name: Calibration.of(run.task, run.prompt_ids, prepared.targets[run.task.name])
         for run in runs
     }
-    for target, group in group_by_target(list(calibrations.values())).items():
+    verdicts = {
+        run.task.name: _verdict_calibration(run, prepared.targets[run.task.name])
+        for run in runs
+        if run.task.verdict
+    }
+    every = [*calibrations.values(), *verdicts.values()]
+    eos = (
+        saved_eos_token_ids(str(merged), tokenizer, config.trust_remote_code) if verdicts else set()
+    )
+    for target, group in group_by_target(every).items():
         with on_phase("target"):
             capture_target(store, target, group, runtime)  # loaded once, only if the store lacks it
     background = _background_calibration(prepared, tokenizer)
     with on_phase("merged"):
         merged_only = [background] if background is not None else []
-        capture_merged(store, str(merged), [*calibrations.values(), *merged_only], runtime)
+        capture_merged(store, str(merged), [*every, *merged_only], runtime)
     load_merged_s = background.timings.pop("load_merged_s", 0.0) if background else 0.0
     for run in runs:
         cal = calibrations[run.task.name]
@@ -297,7 +309,38 @@ def capture_tasks(
         )
         run.target, run.merged = cal.target, cal.merged
         run.timings.update(cal.timings)
+        if run.task.name in verdicts:
+            held = verdicts[run.task.name]
+            run.held_completions = _held_out_completions(held, eos)
+            load_merged_s += held.timings.pop("load_merged_s", 0.0)
+            for name, seconds in held.timings.items():
+                run.timings[name] = run.timings.get(name, 0.0) + seconds
     return CapturedTasks(runs, runtime, load_merged_s, background and background.merged)
+
+
+def _verdict_calibration(run: TaskRun, target: str) -> Calibration:
+    """The held-out prompts, to be completed by the target for the verdict (calibrate.verdict).
+
+    The split is the one training uses (``holdout_split`` of the task's count and seed).
+    """
+    task, metric = run.task, f"metric {run.task.select.metric}"
+    _, held = holdout_split(len(run.prompt_ids), task.holdout, task.seed)
+    return Calibration(
+        name=task.name,  # messages name the task
+        target_path=target,
+        prompt_ids=[run.prompt_ids[i] for i in held.tolist()],
+        continuation_tokens=task.select.completion_tokens,
+        batch_size=task.batch_size,
+        with_head=True,
+        head_need=None if task.select.metric == "completion_rho_l1" else f"select {metric}",
+    )
+
+
+def _held_out_completions(cal: Calibration, eos: set[int]) -> HeldOutCompletions:
+    reference, predicting = completion_reference(
+        cal.prompt_ids, cal.completions, cal.continuation_tokens
+    )
+    return HeldOutCompletions(cal.merged, cal.target, reference, predicting, frozenset(eos))
 
 
 def _background_calibration(prepared: PreparedSurgery, tokenizer: Any) -> Calibration | None:

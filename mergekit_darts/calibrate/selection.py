@@ -11,8 +11,9 @@ by one of them. Everything runs batch by batch in float32; an N x T x V tensor n
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -110,3 +111,16 @@ def choose(scores: Sequence[float | None], metric: str) -> int:
         raise ValueError(f"no candidate has a held-out {metric}")
     best = METRIC_BEST[metric](s for s, _ in usable)
     return next(i for s, i in usable if s == best)
+
+
+def candidate_label(candidate: Mapping[str, Any], others: list[Mapping[str, Any]]) -> str:
+    """``module + loss``, plus whichever other settings differ between the candidates."""
+    varying = [
+        key
+        for key in ("rank", "max_positions", "steps", "lr", "batch_size", "seed", "loss_positions")
+        if len({str(c[key]) for c in others}) > 1
+    ]
+    extra = "".join(f", {key} {candidate[key]}" for key in varying)
+    if candidate["module"] == "none":
+        return "none (the merge as it is)"
+    return f"{candidate['module']} + {candidate['loss']}{extra}"

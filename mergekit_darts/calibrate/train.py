@@ -19,10 +19,11 @@ import torch
 from tqdm.auto import tqdm
 
 from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.config.schema import default
 from mergekit_darts.core import losses
+from mergekit_darts.core.correction import token_positions as positions_of
 from mergekit_darts.core.metrics import delta, rho_l1
 from mergekit_darts.core.modules import SurgeryModule
-from mergekit_darts.deploy.modeling_darts import token_positions as positions_of
 
 # A run whose loss over its training tokens ends above this multiple of the uncorrected merge's
 # has diverged. Measured on the tiny test models (every module and loss, 100 steps, 2 seeds): at
@@ -33,13 +34,13 @@ DIVERGENCE_FACTOR = 2.0
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Optimisation settings (paper section 4.3 defaults)."""
+    """Optimisation settings; the defaults are the block's (paper section 4.3)."""
 
-    loss: str = "ewl1"
-    steps: int = 500
-    lr: float = 1e-3
-    batch_size: int = 8
-    seed: int = 0
+    loss: str = default("loss")
+    steps: int = default("steps")
+    lr: float = default("lr")
+    batch_size: int = default("batch_size")
+    seed: int = default("seed")
 
     def __post_init__(self) -> None:
         if self.loss not in losses.LOSSES:

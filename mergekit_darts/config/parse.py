@@ -106,12 +106,15 @@ def _check_rules(config: SurgeryConfig) -> None:
             f"{claim.first!r}; each lm-eval task may pick one module"
         ) from None
     for task in tasks:
-        for number, candidate in enumerate(task.candidates()):
+        if task.select is None:
+            _check_calibration(task)
+            continue
+        for number, candidate in enumerate(task.select.candidates):
             try:
-                _check_calibration(candidate)
+                _check_calibration(task.as_candidate(candidate))
             except SurgeryConfigError as err:
-                if task.select is None:
-                    raise
+                if not candidate.model_fields_set & {"max_positions", "loss_positions"}:
+                    raise  # about the task's own keys, whatever the candidate
                 raise SurgeryConfigError(f"{task.select_key}.candidates[{number}]: {err}") from None
     _check_route(config, tasks)
     _check_device(config.device)

@@ -193,10 +193,12 @@ def _check_rank(task: ResolvedTask, hidden_size: int | None, reference_label: st
     """A low-rank correction of an H-dimensional state needs rank <= H (each candidate's too)."""
     if hidden_size is None:
         return
-    for number, candidate in enumerate(task.candidates()):
-        if candidate.rank <= hidden_size:
+    written = task.select.candidates if task.select is not None else [None]
+    for number, choice in enumerate(written):
+        candidate = task if choice is None else task.as_candidate(choice)
+        if candidate.rank <= hidden_size or candidate.module == "none":  # none has no rank
             continue
-        own = task.select is not None and "rank" in task.select.candidates[number].model_fields_set
+        own = choice is not None and "rank" in choice.model_fields_set
         key = f"{task.select_key}.candidates[{number}].rank" if own else task.source_key("rank")
         raise SurgeryConfigError(
             f"{key}: rank {candidate.rank} exceeds the hidden size {hidden_size} of the "

@@ -13,13 +13,18 @@ from typing import Any
 
 from mergekit_darts.config.schema import (
     OVERRIDABLE,
+    VERDICT_METRICS,
     CalibrationConfig,
+    Candidate,
     SelectConfig,
     SurgeryConfig,
     TaskConfig,
 )
 from mergekit_darts.core.losses import LOGIT_LOSSES
 from mergekit_darts.errors import SurgeryConfigError
+
+# how to leave the default selection, for the messages about it
+DEFAULT_SELECT_HINT = "(the default selection; `select: off` trains one module on every prompt)"
 
 
 @dataclass(frozen=True)
@@ -45,30 +50,44 @@ class ResolvedTask:
     holdout_key: str = ""  # where the holdout was set, for messages
     select: SelectConfig | None = None
     select_key: str = ""
+    select_default: bool = False  # no select, module or loss written: the default selection
 
     @property
     def key(self) -> str:
         return f"surgery.tasks[{self.index}]"
 
     def candidates(self) -> list[ResolvedTask]:
-        """The task as each select candidate trains it (no select: the task itself)."""
+        """The task as each select candidate trains it (no select: the task itself); with a
+        verdict metric ``{module: none}`` first when the block does not list it."""
         if self.select is None:
             return [self]
-        return [
-            dataclasses.replace(
-                self,
-                select=None,
-                overridden=self.overridden | set(c.model_fields_set),
-                **c.model_dump(exclude_none=True),
-            )
-            for c in self.select.candidates
-        ]
+        candidates = self.select.candidates
+        if self.verdict and all(c.module != "none" for c in candidates):
+            candidates = [Candidate(module="none"), *candidates]  # the verdict's baseline
+        return [self.as_candidate(c) for c in candidates]
+
+    def as_candidate(self, candidate: Candidate) -> ResolvedTask:
+        """The task with one select candidate's settings over its own."""
+        return dataclasses.replace(
+            self,
+            select=None,
+            select_default=False,
+            overridden=self.overridden | set(candidate.model_fields_set),
+            **candidate.model_dump(exclude_none=True),
+        )
 
     @property
     def needs_logits(self) -> bool:
-        """True when training or selection compares next-token distributions (kl, ce, metric)."""
-        metric = self.select is not None and self.select.metric != "rho_l1"
+        """True when training or selection compares the two models' next-token distributions
+        (kl, ce, select by agreement or kl). The verdict's completion metrics compare the merge's
+        top-1 token with the target's completion tokens: the merged head alone, any vocabulary."""
+        metric = self.select is not None and self.select.metric in ("agreement", "kl")
         return metric or any(c.loss in LOGIT_LOSSES for c in self.candidates())
+
+    @property
+    def verdict(self) -> bool:
+        """Whether selection is decided on the target's completions of the held-out prompts."""
+        return self.select is not None and self.select.metric in VERDICT_METRICS
 
     @property
     def needs_head(self) -> bool:
@@ -104,19 +123,30 @@ def resolve_tasks(config: SurgeryConfig) -> list[ResolvedTask]:
 
 
 def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
-    """A task's select and holdout: its own values win over the block's."""
+    """A task's select and holdout: its own values win over the block's.
+
+    With no ``select`` anywhere and no ``module`` or ``loss`` set (block or task), the task runs
+    the default selection (``SelectConfig()``); ``select: off`` or an explicit module or
+    loss trains that one module on every prompt (the paper's recipe).
+    """
     for level, where in ((task, key), (config, "surgery")):
-        if level.select is not None and level.holdout is not None:
+        if level.select and level.holdout is not None:
             raise SurgeryConfigError(
                 f"{where}.holdout: {where}.select.holdout sets the held-out fraction here; "
                 "give it in one place"
             )
-    select, select_key = (task.select, f"{key}.select") if task.select else (config.select, "")
-    if select is not None and not select_key:
-        select_key = "surgery.select"
+    if task.select is not None:
+        select, select_key = task.select or None, f"{key}.select"
+    elif config.select is not None:
+        select, select_key = config.select or None, "surgery.select"
+    elif _chooses_own_module(config, task):
+        select, select_key = None, ""
+    else:
+        select, select_key = SelectConfig(), "surgery.select"
+    default = select is not None and task.select is None and config.select is None
     if task.holdout is not None:
         holdout, holdout_key = task.holdout, f"{key}.holdout"
-    elif select is not None:
+    elif select is not None and not (default and config.holdout):
         holdout, holdout_key = select.holdout, f"{select_key}.holdout"
     else:
         holdout, holdout_key = config.holdout or 0.0, "surgery.holdout"
@@ -124,8 +154,15 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
         "holdout": holdout,
         "holdout_key": holdout_key,
         "select": select,
-        "select_key": select_key,
+        "select_key": select_key if select is not None else "",
+        "select_default": default,
     }
+
+
+def _chooses_own_module(config: SurgeryConfig, task: TaskConfig) -> bool:
+    """Whether the block or the task names a module or a loss (then no default selection)."""
+    named = {"module", "loss"}
+    return bool(named & config.model_fields_set) or any(getattr(task, n) is not None for n in named)
 
 
 def route_tasks(config: SurgeryConfig) -> list[str]:
@@ -159,7 +196,8 @@ def check_holdout(task: ResolvedTask, num_prompts: int) -> None:
     """The split must leave a prompt on each side; run once the prompts are read."""
     held = holdout_count(task.holdout, num_prompts)
     if held and held >= num_prompts:
+        hint = f" {DEFAULT_SELECT_HINT}" if task.select_default else ""
         raise SurgeryConfigError(
             f"{task.holdout_key}: {task.holdout} of {num_prompts} prompt(s) holds out {held}, "
-            "leaving no prompt to train on; lower it or give more calibration prompts"
+            f"leaving no prompt to train on; lower it or give more calibration prompts{hint}"
         )

@@ -13,14 +13,22 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictInt,
+    Tag,
     field_validator,
 )
 
 from mergekit_darts.core.losses import LOSSES
-from mergekit_darts.core.modules import MODULE_KINDS
+from mergekit_darts.core.spec import (
+    DEFAULT_MAX_POSITIONS,
+    DEFAULT_MODULE,
+    DEFAULT_RANK,
+    ModuleKind,
+    PositiveInt,
+)
 from mergekit_darts.routing import check_task_name
 
 CALIBRATION_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
@@ -33,12 +41,10 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
-PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0), BeforeValidator(_not_bool)]
 NonNegativeFloat = Annotated[float, Field(ge=0), BeforeValidator(_not_bool)]
 Fraction = Annotated[float, Field(gt=0, lt=1), BeforeValidator(_not_bool)]
-ModuleKind = Literal[MODULE_KINDS]
 LossName = Literal[LOSSES]
 LossPositions = Literal["all", "completion"]
 CacheDtype = Literal["bfloat16", "float16", "float32"]
@@ -47,9 +53,21 @@ CacheDtype = Literal["bfloat16", "float16", "float32"]
 # keeps its id, since hidden-state losses never look at the extra rows. Either way embedding rows
 # without a token (mergekit's tokenizer.pad_to_multiple_of) are accepted for l1/ewl1.
 TargetVocab = Literal["exact", "prefix"]
-# held-out selection metrics: top-1 agreement with the target (higher is better), KL(target ||
-# corrected merge) (lower), rho_L1 (higher)
-SelectMetric = Literal["agreement", "kl", "rho_l1"]
+# held-out selection metrics on the held-out prompts' tokens: top-1 agreement with the target
+# (higher is better), KL(target || corrected merge) (lower), rho_L1 (higher); and the verdict's, on
+# the target's own greedy completions of the held-out prompts (calibrate.verdict): the share of
+# prompts whose completion the corrected merge reproduces exactly (teacher-forced), per-prompt
+# top-1 agreement and rho_L1 over the positions that predict the completion
+VERDICT_METRICS = ("completion_match", "completion_agreement", "completion_rho_l1")
+SelectMetric = Literal["agreement", "kl", "rho_l1", *VERDICT_METRICS]
+# the block's default candidates: the merge as it is, then Standard + L1 (Yang et al.),
+# pos_corr + L1 and DARTS (pos_corr + EWL1)
+DEFAULT_CANDIDATES = (
+    {"module": "none"},
+    {"module": "standard", "loss": "l1"},
+    {"module": "pos_corr", "loss": "l1"},
+    {"module": "pos_corr", "loss": "ewl1"},
+)
 
 
 class StrictBlock(BaseModel):
@@ -87,13 +105,50 @@ class Candidate(StrictBlock):
     loss_positions: LossPositions | None = None
 
 
-class SelectConfig(StrictBlock):
-    """Train every candidate on the prompts not held out; keep the best on the held-out ones."""
+def _default_candidates() -> list[Candidate]:
+    return [Candidate(**c) for c in DEFAULT_CANDIDATES]
 
-    candidates: list[Candidate] = Field(min_length=1)
+
+def _off(value: Any) -> Any:
+    # `select: off` is YAML 1.1's boolean false; the string (JSON, Python) means the same
+    if value is False or value == "off":
+        return False
+    if value is None or isinstance(value, dict | BaseModel):
+        return value
+    raise ValueError(f"expected a mapping of select settings, or off (no selection); got {value!r}")
+
+
+class SelectConfig(StrictBlock):
+    """Train every candidate on the prompts not held out; keep the best on the held-out ones.
+
+    With a ``completion_*`` metric (the default) the held-out prompts are completed by the
+    target, ``{module: none}`` is always a candidate, and a correction is kept only when a
+    one-sided sign test over the held-out prompts says it beats ``none`` (calibrate.verdict).
+    """
+
+    candidates: list[Candidate] = Field(default_factory=_default_candidates, min_length=1)
     holdout: Fraction = 0.2
-    metric: SelectMetric = "agreement"
+    metric: SelectMetric = "completion_match"
+    completion_tokens: PositiveInt = 32  # the target's greedy completion of a held-out prompt
+    alpha: Fraction = 0.05  # family-wise level of the sign tests against none (Bonferroni)
     refit: StrictBool = True  # retrain the chosen settings on every prompt before saving
+
+
+def _select_kind(value: Any) -> str:
+    return "select[off]" if value is False else "select[mapping]"
+
+
+# `select: off` (false): no selection, the task's own module (the paper's recipe). The tags hold
+# "[" so that messages drop them (messages.describe_error), as they drop pydantic's own.
+SelectOrOff = Annotated[
+    Annotated[
+        Annotated[SelectConfig, Tag("select[mapping]")]
+        | Annotated[Literal[False], Tag("select[off]")],
+        Discriminator(_select_kind),
+    ]
+    | None,
+    BeforeValidator(_off),
+]
 
 
 class TaskConfig(Candidate):
@@ -104,7 +159,7 @@ class TaskConfig(Candidate):
     eval_tasks: list[str] | None = None
     calibration: CalibrationConfig
     holdout: Fraction | None = None
-    select: SelectConfig | None = None
+    select: SelectOrOff = None
 
     @field_validator("name")
     @classmethod
@@ -142,10 +197,10 @@ class RouteConfig(StrictBlock):
 class SurgeryConfig(StrictBlock):
     """The whole block; the training settings here are defaults every task may override."""
 
-    module: ModuleKind = "pos_corr"
+    module: ModuleKind = DEFAULT_MODULE
     loss: LossName = "ewl1"
-    rank: PositiveInt = 16
-    max_positions: PositiveInt = 512
+    rank: PositiveInt = DEFAULT_RANK
+    max_positions: PositiveInt = DEFAULT_MAX_POSITIONS
     steps: PositiveInt = 500
     lr: PositiveFloat = 1e-3
     batch_size: PositiveInt = 8
@@ -158,9 +213,14 @@ class SurgeryConfig(StrictBlock):
     target_vocab: TargetVocab = "exact"
     cache_dir: str | None = None  # capture store on disk (calibrate.store); off by default
     holdout: Fraction | None = None
-    select: SelectConfig | None = None
+    select: SelectOrOff = None  # none: the default selection, unless module or loss is set
     route: RouteConfig | None = None  # one gate over the tasks (calibrate.route)
     tasks: list[TaskConfig] = Field(min_length=1)
+
+
+def default(key: str) -> Any:
+    """The block's default for ``key`` (one place: the training code's defaults read it too)."""
+    return SurgeryConfig.model_fields[key].default
 
 
 # The per-task training settings, in one list: a task or a select candidate may set each of them,

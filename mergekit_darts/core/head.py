@@ -126,7 +126,8 @@ class OutputHead:
         raise HeadError(
             f"{what} needs the model's own logits, but {self.model_class}'s LM head and the "
             f"post-head transform known for it do not reproduce them{off}: an output path "
-            "mergekit-darts does not know; use loss l1 or ewl1 and no select"
+            "mergekit-darts does not know; use loss l1 or ewl1, and select: off or a select "
+            "metric computed from hidden states (rho_l1, completion_rho_l1)"
         )
 
     # ---- storage: safetensors tensors, the small config as UTF-8 JSON bytes ----------------------

@@ -1,8 +1,9 @@
 """The demo's merge YAMLs: four mergekit methods, each with one `surgery:` block.
 
 One block holds every surgery variant the table compares, as separate tasks with overrides
-(`code` = DARTS, `code_std` = Standard + L1, `_select` = the best of no correction, Standard + L1,
-pos_corr + L1 and DARTS by held-out agreement; with `--full` also `code_pos_l1` = pos_corr + L1
+(`code` = DARTS, `code_std` = Standard + L1, `_select` = the block's default: the held-out verdict
+over no correction, Standard + L1, pos_corr + L1 and DARTS (calibrate.verdict); with `--full` also
+`code_pos_l1` = pos_corr + L1
 and `_cont` = calibrated on the target's own completions), plus a `route:` over the three DARTS
 tasks (generic text as background), so a single stock `mergekit-yaml` run per method produces
 all of them.
@@ -50,18 +51,18 @@ POS_CORR_L1 = {"module": "pos_corr", "loss": "l1"}
 DARTS = {"module": "pos_corr", "loss": "ewl1"}
 NO_CORRECTION = {"module": "none"}
 # the merge as it is, then the fixed variants above each `select` row, as its candidates: they
-# train on the same captures. `none` first: a tie keeps the merge as it is.
+# train on the same captures. These are the block's default candidates and the rest is the
+# default verdict too, so the `select` rows are what a block without module, loss or select gets.
 SELECT = {
     "candidates": [NO_CORRECTION, STANDARD_L1, POS_CORR_L1, DARTS],
     "holdout": 0.2,
-    "metric": "agreement",
 }
 # the headline rows (paper Table 1 plus `select`; the routed row is added per merge by run.py)
 HEADLINE: tuple[Variant, ...] = (
     Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1),
-    Variant("DARTS (pos_corr + EWL1)", "", {}),
+    Variant("DARTS (pos_corr + EWL1)", "", DARTS),
     Variant(
-        "select (none, Standard + L1, pos_corr + L1, DARTS; held-out agreement)",
+        "select (none, Standard + L1, pos_corr + L1, DARTS; held-out verdict: the default)",
         "_select",
         {"select": SELECT},
     ),
@@ -73,7 +74,7 @@ ABLATIONS: tuple[Variant, ...] = (
     Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", POS_CORR_L1),
     Variant("Standard + L1, +completions", "_std_cont", STANDARD_L1, CONTINUATION_TOKENS),
     Variant("pos_corr + L1, +completions", "_pos_l1_cont", POS_CORR_L1, CONTINUATION_TOKENS),
-    Variant("DARTS, +completions", "_cont", {}, CONTINUATION_TOKENS),
+    Variant("DARTS, +completions", "_cont", DARTS, CONTINUATION_TOKENS),
     Variant("select, +completions", "_select_cont", {"select": SELECT}, CONTINUATION_TOKENS),
 )
 VARIANTS: tuple[Variant, ...] = HEADLINE + ABLATIONS

@@ -6,23 +6,43 @@ byte for byte the fixed variant it chose. So every fixed variant's exact match c
 with its candidate's held-out numbers, and the unrepaired merge (the `{module: none}` candidate)
 with the "before" numbers, per merge and domain. Numbers from prompt-only and completion calibration are not comparable (other
 token sets), so each calibration group is analysed on its own.
+
+The verdict's per-prompt numbers on the target's completions of the held-out prompts
+(calibrate.verdict) are kept with each point, so :func:`verdict_outcomes` can say what the verdict
+would keep under each of its metrics, and whether that is at least as good as no surgery on the
+evaluation items; ``python -m mergekit_darts.demo.evidence results.json ...`` pools several
+family seeds' ``results.json``.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from scipy.stats import spearmanr
 
+from mergekit_darts.calibrate.verdict import decide
+from mergekit_darts.config.schema import VERDICT_METRICS, SelectConfig
 from mergekit_darts.demo.configs import VARIANTS, fixed_variant, surgery_task
 from mergekit_darts.demo.domains import DOMAIN_NAMES
 from mergekit_darts.manifest import Manifest
 
 NONE_LABEL = "None (merged)"
-# metric -> sign that makes "higher is better" (KL is lower-is-better)
-METRICS = {"agreement": 1, "kl": -1, "rho_l1": 1, "completion_agreement": 1}
+# metric -> sign that makes "higher is better" (KL is lower-is-better); `completion_agreement`
+# is agreement on the calibration completions' tokens, the verdict's metrics are on the target's
+# completions of the held-out prompts
+METRICS = {
+    "agreement": 1,
+    "kl": -1,
+    "rho_l1": 1,
+    "completion_agreement": 1,
+    **{f"verdict_{m}": 1 for m in VERDICT_METRICS},
+}
+ALPHA = SelectConfig().alpha  # the verdict's default level
 
 
 @dataclass(frozen=True)
@@ -36,6 +56,7 @@ class Point:
     exact_match: float
     metrics: dict[str, float | None]
     chosen: bool = False
+    verdict: dict[str, list[float | None]] = field(default_factory=dict)  # per held-out prompt
 
 
 def collect(method: str, manifest: Manifest, scores: Mapping[str, dict]) -> list[Point]:
@@ -47,40 +68,33 @@ def collect(method: str, manifest: Manifest, scores: Mapping[str, dict]) -> list
             entry = manifest.tasks[surgery_task(domain) + variant.suffix]
             held, selection = entry.held_out, entry.selection
             before = held["all"]
-            chosen = selection["candidates"][selection["chosen"]]
-            points.append(
-                Point(
-                    method,
-                    group,
-                    domain,
-                    NONE_LABEL,
-                    scores[NONE_LABEL][domain],
-                    {
+            for index, candidate in enumerate(selection["candidates"]):
+                numbers = candidate["held_out"]
+                verdict = {f"verdict_{m}": numbers.get(m) for m in VERDICT_METRICS}
+                if candidate["module"] == "none":  # the merge as it is: the no-surgery row
+                    label = NONE_LABEL
+                    metrics = {
                         "agreement": before["agreement_before"],
                         "kl": before["kl_before"],
                         "rho_l1": 0.0,
                         "completion_agreement": held.get("completion", {}).get("agreement_before"),
-                    },
-                    chosen=chosen["module"] == "none",
-                )
-            )
-            for index, candidate in enumerate(selection["candidates"]):
-                if candidate["module"] == "none":  # the point above: the merge as it is
-                    continue
-                fixed = fixed_variant(candidate, variant.continuation_tokens)
-                numbers = candidate["held_out"]
+                    }
+                else:
+                    label = fixed_variant(candidate, variant.continuation_tokens).label
+                    metrics = {
+                        **{k: numbers[k] for k in ("agreement", "kl", "rho_l1")},
+                        "completion_agreement": numbers.get("completion", {}).get("agreement"),
+                    }
                 points.append(
                     Point(
                         method,
                         group,
                         domain,
-                        fixed.label,
-                        scores[fixed.label][domain],
-                        {
-                            **{k: numbers[k] for k in ("agreement", "kl", "rho_l1")},
-                            "completion_agreement": numbers.get("completion", {}).get("agreement"),
-                        },
+                        label,
+                        scores[label][domain],
+                        {**metrics, **verdict},
                         chosen=index == selection["chosen"],
+                        verdict=candidate.get("verdict", {}),
                     )
                 )
     return points
@@ -171,8 +185,70 @@ def selection_outcomes(
     return out
 
 
-def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> str:
-    """The two tables the README quotes."""
+def verdict_outcomes(points: Sequence[Point], alpha: float = ALPHA) -> list[dict[str, Any]]:
+    """Per calibration group and verdict metric: over the (merge, domain) cells, what the verdict
+    (sign test against none at ``alpha`` / corrections, calibrate.verdict.decide) keeps, and
+    its exact match on the evaluation items against no surgery's."""
+    rows = []
+    for group in ("prompts", "completions"):
+        mine = [p for p in points if p.group == group and p.verdict]
+        cells = list(dict.fromkeys((p.merge, p.domain) for p in mine))
+        for metric in VERDICT_METRICS:
+            deltas, kept = [], 0
+            for cell in cells:
+                cands = [p for p in mine if (p.merge, p.domain) == cell]
+                if any(p.verdict.get(metric) is None or None in p.verdict[metric] for p in cands):
+                    continue  # no comparable heads: the metric was not measured
+                entries = [
+                    {
+                        "module": "none" if p.variant == NONE_LABEL else p.variant,
+                        "held_out": {metric: p.metrics[f"verdict_{metric}"]},
+                        "verdict": p.verdict,
+                    }
+                    for p in cands
+                ]
+                index, _ = decide(entries, [p.variant for p in cands], metric, alpha)
+                none = next(p for p in cands if p.variant == NONE_LABEL)
+                kept += cands[index].variant != NONE_LABEL
+                deltas.append(cands[index].exact_match - none.exact_match)
+            if deltas:
+                rows.append(
+                    {
+                        "group": group,
+                        "metric": metric,
+                        "cells": len(deltas),
+                        "kept_correction": kept,
+                        "at_least_none": sum(d >= 0 for d in deltas),
+                        "mean_delta": sum(deltas) / len(deltas),
+                        "min_delta": min(deltas),
+                        "max_delta": max(deltas),
+                    }
+                )
+    return rows
+
+
+def verdict_markdown(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The verdict table: per group and metric, what it kept and how that scored."""
+    lines = [
+        "What the verdict keeps (sign test against none on the target's completions of the "
+        f"held-out prompts, alpha {ALPHA} / corrections), per (merge, domain) cell; Δ = exact "
+        "match (points) of what it kept minus no surgery, on the evaluation items.",
+        "",
+        "| calibration | verdict metric | cells | kept a correction | kept ≥ none | mean Δ | "
+        "min Δ | max Δ |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['group']} | {r['metric']} | {r['cells']} | {r['kept_correction']} | "
+            f"{r['at_least_none']} | {r['mean_delta']:+.1f} | {r['min_delta']:+.1f} | "
+            f"{r['max_delta']:+.1f} |"
+        )
+    return lines
+
+
+def correlation_markdown(points: Sequence[Point]) -> list[str]:
+    """The Spearman table: each metric against exact match, pooled and within cells."""
     lines = [
         "Spearman rank correlation of each held-out metric with exact match (KL negated, so "
         "positive = the metric ranks like the score). Pooled: every merge × domain × variant "
@@ -183,19 +259,25 @@ def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> 
         "|---|---|---|---|---|",
     ]
     for row in correlations(points):
-        pooled = "–" if row["pooled"] is None else f"{row['pooled']:+.2f}"
+        pooled_rho = "–" if row["pooled"] is None else f"{row['pooled']:+.2f}"
         within = "–" if row["within_mean"] is None else f"{row['within_mean']:+.2f}"
         lines.append(
-            f"| {row['group']} | {row['metric']} | {row['points']} | {pooled} | "
+            f"| {row['group']} | {row['metric']} | {row['points']} | {pooled_rho} | "
             f"{within} ({row['within_cells']}) |"
         )
+    return lines
+
+
+def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> str:
+    """The two tables the README quotes."""
+    lines = correlation_markdown(points)
     lines += [
         "",
         "Mean exact match (%) over the three domains: the `select` row as evaluated, what "
         "selection by each metric would keep, the best single fixed variant of the merge, and "
         "the per-domain oracle (best variant of each domain).",
         "",
-        "| merge | calibration | select (agreement), measured | by agreement | by KL | by ρ_L1 "
+        "| merge | calibration | select (verdict), measured | by agreement | by KL | by ρ_L1 "
         "| by completion agreement | best fixed | oracle |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -208,4 +290,21 @@ def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> 
             f"| {o['merge']} | {o['group']} | {o['select']:.1f} | {' | '.join(picks)} | "
             f"{o['best_fixed']:.1f} ({o['best_fixed_label']}) | {o['oracle']:.1f} |"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *verdict_markdown(verdict_outcomes(points))])
+
+
+def pooled(paths: Sequence[str | Path]) -> str:
+    """The correlation and verdict tables over several `--full` runs' ``results.json`` (family
+    seeds): each run's merges count as their own (merge, domain) cells."""
+    points = []
+    for number, path in enumerate(paths):
+        for record in json.loads(Path(path).read_text())["held_out"]:
+            record = {**record, "merge": f"{record['merge']} (run {number})"}
+            points.append(Point(**record))
+    runs = f"Pooled over {len(paths)} runs: " + ", ".join(str(p) for p in paths)
+    lines = [runs, "", *correlation_markdown(points), ""]
+    return "\n".join([*lines, *verdict_markdown(verdict_outcomes(points))])
+
+
+if __name__ == "__main__":
+    print(pooled(sys.argv[1:]))

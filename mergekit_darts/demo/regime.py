@@ -69,8 +69,8 @@ def _task_arithmetic(base: Path, experts: Mapping[str, Path], out: Path, weight:
 
 def measure(out: Path, seed: int, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Build the family of the full recipe with `overrides`; report the regime's properties."""
+    from mergekit_darts.demo.evaluation import DemoSettings, evaluate
     from mergekit_darts.demo.family import SCALES, build_family
-    from mergekit_darts.demo.run import DemoSettings, evaluate
 
     recipe = replace(SCALES["full"], **overrides)
     family = build_family(out / "family", seed, "full", recipe=recipe)

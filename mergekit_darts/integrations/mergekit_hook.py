@@ -69,6 +69,8 @@ def merge_with_surgery(
 
     env_flag(NO_HOOK)  # the startup hook only warned about a value that is not a boolean
     neox_buffers_optional()
+    if config_source is None:
+        refuse_unread_block()
     block = surgery_block(config_source)
     prepared = None
     if block is not None:
@@ -87,6 +89,39 @@ def merge_with_surgery(
         if aside is not None:  # replaced, as the overwrite flag asked
             shutil.rmtree(aside)
     return result
+
+
+def refuse_unread_block(argv: list[str] | None = None) -> None:
+    """Stop a ``mergekit-yaml`` merge whose YAML has a ``surgery:`` block that ``run_merge`` was
+    not given (no ``config_source``: a mergekit that does not pass the text), before it merges.
+
+    ``run_merge`` gets mergekit's parsed config, which drops the block, so the text is the only
+    source; without it the YAML named on ``mergekit-yaml``'s command line (``argv``, default
+    ``sys.argv``) is what shows a block would be skipped. (``mergekit-multi`` passes no text by
+    design: :mod:`mergekit_darts.integrations.multimerge` reads its stages itself.)
+    """
+    import yaml
+
+    from mergekit_darts.config import surgery_block
+    from mergekit_darts.errors import SurgeryConfigError
+
+    argv = sys.argv if argv is None else argv
+    if not argv or Path(argv[0]).name != "mergekit-yaml":
+        return
+    for arg in argv[1:]:
+        path = Path(arg)
+        if path.suffix not in (".yml", ".yaml") or not path.is_file():
+            continue
+        try:
+            block = surgery_block(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):  # mergekit reports those itself
+            continue
+        if block is not None:
+            raise SurgeryConfigError(
+                f"{path} has a surgery: block, but this mergekit called run_merge without the "
+                "YAML text (config_source), so the block cannot be read and would be skipped; "
+                f"merge without the block, then run `mergekit-darts calibrate OUT_PATH {path}`"
+            )
 
 
 def set_aside(out_path: str | Path) -> Path | None:

