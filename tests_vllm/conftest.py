@@ -42,9 +42,18 @@ HIDDEN, HEADS, RANK = 128, 4, 4
 # past it too, so the "no position term from max_positions on" rule is exercised as well.
 MAX_POSITIONS = 48
 MAX_MODEL_LEN = 128
-# vLLM's CPU engine settings for the tests: its CPU attention wants block_size 32
+# vLLM's CPU engine settings for the tests: its CPU attention wants block_size 32. On CPU,
+# gpu_memory_utilization is the share of RAM that must be free at engine start (default 0.92 of
+# it: an engine start failed while other processes held 2 GiB of 24); the KV cache itself is
+# VLLM_CPU_KVCACHE_SPACE.
+MEMORY_SHARE = 0.5
 ENGINE = dict(
-    dtype="float32", enforce_eager=True, block_size=32, max_model_len=MAX_MODEL_LEN, seed=0
+    dtype="float32",
+    enforce_eager=True,
+    block_size=32,
+    max_model_len=MAX_MODEL_LEN,
+    seed=0,
+    gpu_memory_utilization=MEMORY_SHARE,
 )
 
 

@@ -18,7 +18,14 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from conftest import BIN, ENGINE, MAX_MODEL_LEN, Exported, routed_float64_reference
+from conftest import (
+    BIN,
+    ENGINE,
+    MAX_MODEL_LEN,
+    MEMORY_SHARE,
+    Exported,
+    routed_float64_reference,
+)
 from test_vllm_plugin import TOL
 from tiny import SPECIAL
 
@@ -127,6 +134,8 @@ def test_vllm_serve_answers_with_the_correction(routed_exported, tokenizer) -> N
             str(MAX_MODEL_LEN),
             "--seed",
             "0",
+            "--gpu-memory-utilization",
+            str(MEMORY_SHARE),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -156,7 +156,8 @@ def test_a_surgery_file_swapped_in_from_another_export_is_refused(
 ) -> None:
     """The export binds its surgery file (config.json's darts.weights): another module's
     tensors of the same shapes would otherwise be served as this task's correction. The check
-    runs where the model is built (an engine-core process: its stderr is read too)."""
+    runs where the model is built (a worker process: what it logs, on stdout or stderr, is read
+    too)."""
     from safetensors.torch import save_file
 
     from mergekit_darts.deploy.modeling_darts import PREFIX, SURGERY_FILE
@@ -164,8 +165,10 @@ def test_a_surgery_file_swapped_in_from_another_export_is_refused(
     dest = copy_export(exported, tmp_path / "dest")
     other = {PREFIX + k: v for k, v in random_module(seed=9).state_dict().items()}
     save_file(other, dest / SURGERY_FILE, metadata={"format": "pt"})
-    chain = [*refusal(dest), capfd.readouterr().err]
-    assert any("is not the surgery file this DARTS export" in m for m in chain), chain[:-1]
+    chain = refusal(dest)
+    logged = capfd.readouterr()
+    messages = [*chain, logged.out, logged.err]
+    assert any("is not the surgery file this DARTS export" in m for m in messages), chain
 
 
 def test_surgery_tensors_that_do_not_fit_the_config_are_refused() -> None:

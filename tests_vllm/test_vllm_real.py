@@ -18,7 +18,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import BIN, MAX_POSITIONS, RANK, ROUTED_KINDS, Exported, routed_float64_reference
+from conftest import (
+    BIN,
+    MAX_POSITIONS,
+    MEMORY_SHARE,
+    RANK,
+    ROUTED_KINDS,
+    Exported,
+    routed_float64_reference,
+)
 from real import chat
 from tiny import write_routed_surgery
 from transformers import AutoConfig, AutoTokenizer
@@ -92,6 +100,7 @@ def test_vllm_serves_the_real_routed_export(exported: Exported) -> None:
         max_model_len=256,
         max_logprobs=TOP,
         seed=0,
+        gpu_memory_utilization=MEMORY_SHARE,
     )
     try:
         params = SamplingParams(
