@@ -16,6 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def same_path(a: str | Path, b: str | Path) -> bool:
+    """Whether ``a`` and ``b`` name one place, symlinks resolved (neither need exist)."""
+    return Path(os.path.realpath(a)) == Path(os.path.realpath(b))
+
+
 def inside(path: str | Path, folder: str | Path) -> bool:
     """Whether ``path`` is ``folder`` or lies under it, symlinks resolved (neither need exist)."""
     path, folder = Path(os.path.realpath(path)), Path(os.path.realpath(folder))

@@ -14,7 +14,6 @@ its own (the benchmarks time them and track memory peaks).
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -60,7 +59,7 @@ from mergekit_darts.config import (
 )
 from mergekit_darts.core.router import NONE_CLASS
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.fs import inside
+from mergekit_darts.fs import inside, same_path
 from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import Manifest, surgery_dir
 
@@ -140,7 +139,7 @@ def prepare_surgery(
         background=background,
     )
     for task in tasks:
-        if Path(os.path.realpath(targets[task.name])) == Path(os.path.realpath(out_path)):
+        if same_path(targets[task.name], out_path):
             raise SurgeryConfigError(
                 f"{task.key}.target: {task.target} is the merged folder {out_path} itself: the "
                 "merge would replace the target's weights, and a model is no target of its own "
