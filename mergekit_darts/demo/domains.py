@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 NOUNS = [
@@ -130,7 +130,8 @@ def instruct_example(rng: random.Random) -> Example:
     return Example(f"{instruction} : {' '.join(words)} ->", " ".join(answer))
 
 
-DOMAINS: dict[str, Callable[[random.Random], Example]] = {
+Generator = Callable[[random.Random], Example]
+DOMAINS: dict[str, Generator] = {
     "code": code_example,
     "math": math_example,
     "instruct": instruct_example,
@@ -158,10 +159,16 @@ def _sentence(rng: random.Random) -> str:
     return " ".join([*words, "."])
 
 
-def make_splits(domain: str, seed: int, n_calib: int = 50, n_eval: int = 100) -> Splits:
+def make_splits(
+    domain: str,
+    seed: int,
+    n_calib: int = 50,
+    n_eval: int = 100,
+    generators: Mapping[str, Generator] = DOMAINS,
+) -> Splits:
     """Seeded, duplicate-free calibration and evaluation items, disjoint by prompt."""
     rng = random.Random(f"darts-demo:{domain}:{seed}:held-out")
-    items = _unique(DOMAINS[domain](rng) for _ in itertools.count())
+    items = _unique(generators[domain](rng) for _ in itertools.count())
     chosen = [next(items) for _ in range(n_calib + n_eval)]
     return Splits(calib=tuple(chosen[:n_calib]), eval=tuple(chosen[n_calib:]))
 
@@ -175,9 +182,14 @@ def _unique(examples: Iterable[Example]) -> Iterable[Example]:
             yield ex
 
 
-def training_example(domain: str, rng: random.Random, held_out: frozenset[str]) -> Example:
+def training_example(
+    domain: str,
+    rng: random.Random,
+    held_out: frozenset[str],
+    generators: Mapping[str, Generator] = DOMAINS,
+) -> Example:
     """A fresh training item of `domain` whose prompt is not held out."""
     while True:
-        ex = DOMAINS[domain](rng)
+        ex = generators[domain](rng)
         if ex.prompt not in held_out:
             return ex

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -33,6 +34,8 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     get_cosine_schedule_with_warmup,
 )
@@ -46,7 +49,6 @@ from mergekit_darts.demo.domains import (
     make_splits,
     training_example,
 )
-from mergekit_darts.demo.pinning import PINS
 from mergekit_darts.demo.tokenizer import build_tokenizer
 
 RECIPE_VERSION = 3
@@ -140,9 +142,8 @@ def _family_paths(root: Path) -> FamilyPaths:
 
 
 def _recipe_hash(recipe: Recipe, seed: int) -> str:
-    """Identity of a build: everything that changes the produced weights or data (the kernel
-    pins included: a family cached under other pins is rebuilt, not reused)."""
-    ident = {"version": RECIPE_VERSION, "seed": seed, "recipe": asdict(recipe), "pins": PINS}
+    """Identity of a build: everything that changes the produced weights or data."""
+    ident = {"version": RECIPE_VERSION, "seed": seed, "recipe": asdict(recipe)}
     ident["vocab"] = sorted(build_tokenizer().get_vocab().items())
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
@@ -185,17 +186,18 @@ def _write_jsonl(path: Path, records: list[dict[str, str]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _write_tasks(paths: FamilyPaths) -> None:
+def _write_tasks(paths: FamilyPaths, until: str = "</s>", max_gen_toks: int = MAX_GEN_TOKS) -> None:
     """One lm-eval task per domain (`demo_<domain>`), greedy generation, exact match."""
     paths.tasks.mkdir(parents=True, exist_ok=True)
     for domain in DOMAIN_NAMES:
-        text = yaml.safe_dump(_task_config(domain, paths.eval_file(domain)), sort_keys=False)
+        config = _task_config(domain, paths.eval_file(domain), until, max_gen_toks)
+        text = yaml.safe_dump(config, sort_keys=False)
         target = paths.tasks / f"demo_{domain}.yaml"
         if not target.is_file() or target.read_text() != text:
             target.write_text(text)
 
 
-def _task_config(domain: str, eval_file: Path) -> dict[str, object]:
+def _task_config(domain: str, eval_file: Path, until: str, max_gen_toks: int) -> dict[str, object]:
     """lm-eval 0.4 task dict; data path absolute because lm-eval resolves it from the cwd."""
     return {
         "task": f"demo_{domain}",
@@ -207,9 +209,9 @@ def _task_config(domain: str, eval_file: Path) -> dict[str, object]:
         "doc_to_text": "{{prompt}}",
         "doc_to_target": "{{answer}}",
         "generation_kwargs": {
-            "until": ["</s>"],
+            "until": [until],
             "do_sample": False,
-            "max_gen_toks": MAX_GEN_TOKS,
+            "max_gen_toks": max_gen_toks,
         },
         "metric_list": [
             {
@@ -236,15 +238,15 @@ def _train_family(
     torch.manual_seed(seed)
     base = LlamaForCausalLM(_model_config(recipe, tokenizer))
     batches = _base_batches(random.Random(f"darts-demo:{seed}:base"), tokenizer, recipe, held_out)
-    losses = {"base": _train(base, batches, recipe.base_steps, recipe.base_lr, recipe, progress)}
+    steps, lr, warmup = recipe.base_steps, recipe.base_lr, recipe.warmup_fraction
+    losses = {"base": _train(base, batches, steps, lr, warmup, progress)}
     _save(base, tokenizer, paths.base)
     for domain, folder in paths.experts.items():
         expert = copy.deepcopy(base)
         rng = random.Random(f"darts-demo:{seed}:{domain}")
         batches = _expert_batches(rng, tokenizer, recipe, domain, held_out[domain])
-        losses[domain] = _train(
-            expert, batches, recipe.expert_steps, recipe.expert_lr, recipe, progress, domain
-        )
+        steps, lr = recipe.expert_steps, recipe.expert_lr
+        losses[domain] = _train(expert, batches, steps, lr, warmup, progress, domain)
         _save(expert, tokenizer, folder)
     return losses
 
@@ -337,17 +339,19 @@ def _collate(seqs: list[Sequence], pad_id: int) -> Batch:
 
 
 def _train(
-    model: LlamaForCausalLM,
+    model: PreTrainedModel,
     batches: Iterator[Batch],
     steps: int,
     lr: float,
-    recipe: Recipe,
+    warmup_fraction: float,
     progress: bool,
     name: str = "base",
 ) -> float:
-    """AdamW with warmup + cosine decay; returns the last step's loss."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    warmup = max(1, int(recipe.warmup_fraction * steps))
+    """AdamW with warmup + cosine decay over the parameters that require grad; returns the last
+    step's loss."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.01)
+    warmup = max(1, int(warmup_fraction * steps))
     schedule = get_cosine_schedule_with_warmup(optimizer, warmup, steps)
     model.train()
     loss = torch.tensor(float("nan"))
@@ -355,7 +359,7 @@ def _train(
     for step, (input_ids, labels) in zip(bar, batches, strict=False):
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -365,7 +369,7 @@ def _train(
     return float(loss.item())
 
 
-def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     """safetensors weights, config, greedy generation config and the tokenizer."""
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -379,7 +383,7 @@ def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: P
 
 def _write_stamp(
     paths: FamilyPaths,
-    recipe: Recipe,
+    recipe: Any,  # a dataclass: this recipe or the real family's
     seed: int,
     scale: str,
     recipe_hash: str,

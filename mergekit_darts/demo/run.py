@@ -80,6 +80,15 @@ def merge_with_surgery(
     return out_dir
 
 
+def _build(settings: DemoSettings) -> FamilyPaths:
+    """The tiny family (`full`/`tiny`) or the SmolLM2 family (`real`), cached under out/family."""
+    if settings.scale == "real":
+        from mergekit_darts.demo.real_family import build_real_family
+
+        return build_real_family(settings.out / "family", settings.seed)
+    return build_family(settings.out / "family", settings.seed, settings.scale)
+
+
 def individual_rows(settings: DemoSettings, family: FamilyPaths) -> list[Row]:
     """The paper's Table 2: base and each expert on every domain."""
     key = _stamp(family)
@@ -229,8 +238,8 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         )
     start, start_cpu = time.perf_counter(), time.process_time()
     settings.out.mkdir(parents=True, exist_ok=True)
-    console.rule("1/3 tiny model family")
-    family = build_family(settings.out / "family", settings.seed, settings.scale)
+    console.rule(f"1/3 model family ({settings.scale})")
+    family = _build(settings)
     console.rule("2/3 individual models")
     rows = individual_rows(settings, family)
     points: list[Point] = []

@@ -1,0 +1,213 @@
+"""The real family (`make demo-real`): SmolLM2-135M-Instruct and three experts fine-tuned from it.
+
+The base is the real checkpoint (mergekit_darts.demo.smollm2). Each expert fine-tunes only the
+top `trainable_layers` decoder layers and the final norm on one domain of
+mergekit_darts.demo.real_domains, the loss on the answer and the end-of-turn token only; the tied
+embeddings/head stay frozen. Everything below those layers is frozen too, so their output for
+each training item is computed once and cached: a step then costs the top layers only. That is
+what makes three experts of a 135M model a few CPU minutes; the task vectors live in the top
+layers, which is where a merge of them has something to carry.
+
+Prompts go through the model's own chat template with an empty system turn (the default system
+prompt doubles every prompt's length and teaches nothing here), in training, calibration and
+lm-eval alike (the eval files hold the templated prompt). The same driver
+(mergekit_darts.demo.run) merges, calibrates and evaluates it as it does the tiny family;
+`FamilyPaths` is the shared interface.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaModel,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    get_cosine_schedule_with_warmup,
+)
+
+from mergekit_darts.demo.domains import DOMAIN_NAMES, Example, Splits, make_splits
+from mergekit_darts.demo.family import (
+    FamilyPaths,
+    _build_environment,
+    _collate,
+    _family_paths,
+    _is_complete,
+    _save,
+    _write_data,
+    _write_stamp,
+    _write_tasks,
+)
+from mergekit_darts.demo.real_domains import REAL_DOMAINS
+from mergekit_darts.demo.smollm2 import WEIGHTS_SHA256, smollm2_folder
+
+REAL_VERSION = 1
+END_OF_TURN = "<|im_end|>"
+MAX_GEN_TOKS = 16  # the answers are a few tokens; a chatty model is cut here
+
+
+@dataclass(frozen=True)
+class RealRecipe:
+    """How each expert is fine-tuned from the pretrained model."""
+
+    trainable_layers: int = 4  # the top ones, plus the final norm
+    train_items: int = 192  # distinct training items per domain (their inputs are cached)
+    steps: int = 60
+    batch: int = 16
+    lr: float = 3e-4
+    warmup_fraction: float = 0.1
+    n_calib: int = 50
+    n_eval: int = 50  # evaluation items per domain
+
+
+def build_real_family(
+    root: Path, seed: int = 0, progress: bool = True, recipe: RealRecipe | None = None
+) -> FamilyPaths:
+    """Fine-tune (or reuse, when `root` holds a complete build of the same recipe) the experts;
+    the base folder is the converted checkpoint itself."""
+    recipe = recipe or RealRecipe()
+    base = smollm2_folder()
+    paths = _family_paths(Path(root).resolve())
+    paths = FamilyPaths(paths.root, base, paths.experts, paths.data, paths.tasks)
+    ident = {"version": REAL_VERSION, "seed": seed, "recipe": asdict(recipe)}
+    ident["base_weights"] = WEIGHTS_SHA256
+    recipe_hash = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+    if _is_complete(paths, recipe_hash):
+        _write_tasks(paths, END_OF_TURN, MAX_GEN_TOKS)
+        return paths
+    (paths.root / "family.json").unlink(missing_ok=True)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    raw = {
+        d: make_splits(d, seed, recipe.n_calib, recipe.n_eval, REAL_DOMAINS) for d in DOMAIN_NAMES
+    }
+    _write_data(paths, {d: _templated(tokenizer, s) for d, s in raw.items()})
+    _write_tasks(paths, END_OF_TURN, MAX_GEN_TOKS)
+    losses = {}
+    with _build_environment(progress):
+        pretrained = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        for domain, folder in paths.experts.items():
+            rng = random.Random(f"darts-demo-real:{seed}:{domain}")
+            items = _training_items(rng, domain, recipe.train_items, raw[domain].held_out())
+            batches = _cached_batches(pretrained, tokenizer, items, recipe)
+            torch.manual_seed(seed)
+            expert, losses[domain] = _fine_tune_top(pretrained, batches, recipe, progress, domain)
+            _save(expert, tokenizer, folder)
+    seconds = time.perf_counter() - start
+    _write_stamp(paths, recipe, seed, "real", recipe_hash, losses, seconds)
+    return paths
+
+
+def chat(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
+    """One user turn (after an empty system turn) and the generation prompt."""
+    turns = [{"role": "system", "content": ""}, {"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
+def _templated(tokenizer: PreTrainedTokenizerBase, splits: Splits) -> Splits:
+    def each(examples: tuple[Example, ...]) -> tuple[Example, ...]:
+        return tuple(Example(chat(tokenizer, ex.prompt), ex.answer) for ex in examples)
+
+    return Splits(calib=each(splits.calib), eval=each(splits.eval))
+
+
+def _training_items(
+    rng: random.Random, domain: str, count: int, held_out: frozenset[str]
+) -> list[Example]:
+    """`count` distinct items of `domain`, none of them a calibration or evaluation prompt."""
+    items: dict[str, Example] = {}
+    while len(items) < count:
+        ex = REAL_DOMAINS[domain](rng)
+        if ex.prompt not in held_out:
+            items.setdefault(ex.prompt, ex)
+    return list(items.values())
+
+
+Cached = tuple[torch.Tensor, torch.Tensor]  # (input to the top layers, labels), one batch
+
+
+@torch.no_grad()
+def _cached_batches(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    items: list[Example],
+    recipe: RealRecipe,
+) -> list[Cached]:
+    """The frozen bottom layers' output for each batch of items, and its answer-only labels."""
+    eot = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    seqs = []
+    for ex in items:
+        prompt = tokenizer(chat(tokenizer, ex.prompt), add_special_tokens=False)["input_ids"]
+        answer = tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [eot]
+        seqs.append((prompt + answer, [-100] * len(prompt) + answer))
+    first_trained = model.config.num_hidden_layers - recipe.trainable_layers
+    cached = []
+    for i in range(0, len(seqs), recipe.batch):
+        input_ids, labels = _collate(seqs[i : i + recipe.batch], tokenizer.pad_token_id)
+        hidden = model.model(input_ids, output_hidden_states=True).hidden_states[first_trained]
+        cached.append((hidden, labels))
+    return cached
+
+
+def _fine_tune_top(
+    pretrained: PreTrainedModel,
+    batches: list[Cached],
+    recipe: RealRecipe,
+    progress: bool,
+    name: str,
+) -> tuple[PreTrainedModel, float]:
+    """AdamW with warmup + cosine decay on the top layers and the final norm, fed the cached
+    inputs; returns the pretrained model with those layers replaced, and the last step's loss."""
+    top = _top_model(pretrained, recipe.trainable_layers)
+    head = pretrained.get_output_embeddings().weight  # tied to the input embeddings: frozen
+    optimizer = torch.optim.AdamW(top.parameters(), lr=recipe.lr, weight_decay=0.01)
+    warmup = max(1, int(recipe.warmup_fraction * recipe.steps))
+    schedule = get_cosine_schedule_with_warmup(optimizer, warmup, recipe.steps)
+    top.train()
+    loss = torch.tensor(float("nan"))
+    bar = tqdm(range(recipe.steps), desc=f"train {name}", disable=not progress, leave=False)
+    for step in bar:
+        hidden, labels = batches[step % len(batches)]
+        out = top(inputs_embeds=hidden).last_hidden_state
+        targets = labels[:, 1:]
+        scored = targets != -100  # the head only where the loss is: answers are a few tokens
+        logits = out[:, :-1][scored] @ head.T
+        loss = torch.nn.functional.cross_entropy(logits, targets[scored])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(top.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    expert = copy.deepcopy(pretrained)  # keeps the embeddings tied to the head
+    first = pretrained.config.num_hidden_layers - recipe.trainable_layers
+    for i, layer in enumerate(top.layers):
+        expert.model.layers[first + i].load_state_dict(layer.state_dict())
+    expert.model.norm.load_state_dict(top.norm.state_dict())
+    return expert.eval(), float(loss.item())
+
+
+def _top_model(pretrained: PreTrainedModel, layers: int) -> LlamaModel:
+    """A decoder of the pretrained model's top `layers` and final norm (copies, trainable): fed
+    the cached hidden states as `inputs_embeds`, it runs transformers' own masking and RoPE."""
+    config = copy.deepcopy(pretrained.config)
+    config.num_hidden_layers = layers
+    top = LlamaModel(config)
+    first = pretrained.config.num_hidden_layers - layers
+    for i in range(layers):
+        top.layers[i].load_state_dict(pretrained.model.layers[first + i].state_dict())
+    top.norm.load_state_dict(pretrained.model.norm.state_dict())
+    del top.embed_tokens  # never used: the input is the cached hidden state
+    top.embed_tokens = None
+    return top.to(torch.float32)
