@@ -11,8 +11,9 @@ import io
 import random
 import re
 
-from mergekit_darts.demo.domains import make_splits, training_example
+from mergekit_darts.demo.domains import make_splits
 from mergekit_darts.demo.real_domains import REAL_DOMAINS
+from mergekit_darts.demo.real_family import _training_items
 
 N = 200
 
@@ -51,6 +52,6 @@ def test_splits_and_training_items_are_disjoint_by_prompt() -> None:
         held = splits.held_out()
         assert len(calib) == 50 and len({ex.prompt for ex in splits.eval}) == 50
         assert not calib & {ex.prompt for ex in splits.eval}
-        rng = random.Random(domain)
-        for _ in range(100):
-            assert training_example(domain, rng, held, REAL_DOMAINS).prompt not in held
+        train = _training_items(random.Random(domain), domain, 192, held)
+        assert len({ex.prompt for ex in train}) == 192
+        assert not held & {ex.prompt for ex in train}

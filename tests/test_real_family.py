@@ -9,7 +9,6 @@ templated, and the same seed gives the same bytes.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -182,14 +182,9 @@ def _unique(examples: Iterable[Example]) -> Iterable[Example]:
             yield ex
 
 
-def training_example(
-    domain: str,
-    rng: random.Random,
-    held_out: frozenset[str],
-    generators: Mapping[str, Generator] = DOMAINS,
-) -> Example:
+def training_example(domain: str, rng: random.Random, held_out: frozenset[str]) -> Example:
     """A fresh training item of `domain` whose prompt is not held out."""
     while True:
-        ex = generators[domain](rng)
+        ex = DOMAINS[domain](rng)
         if ex.prompt not in held_out:
             return ex

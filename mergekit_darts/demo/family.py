@@ -49,6 +49,7 @@ from mergekit_darts.demo.domains import (
     make_splits,
     training_example,
 )
+from mergekit_darts.demo.pinning import PINS
 from mergekit_darts.demo.tokenizer import build_tokenizer
 
 RECIPE_VERSION = 3
@@ -142,8 +143,9 @@ def _family_paths(root: Path) -> FamilyPaths:
 
 
 def _recipe_hash(recipe: Recipe, seed: int) -> str:
-    """Identity of a build: everything that changes the produced weights or data."""
-    ident = {"version": RECIPE_VERSION, "seed": seed, "recipe": asdict(recipe)}
+    """Identity of a build: everything that changes the produced weights or data (the kernel
+    pins included: a family cached under other pins is rebuilt, not reused)."""
+    ident = {"version": RECIPE_VERSION, "seed": seed, "recipe": asdict(recipe), "pins": PINS}
     ident["vocab"] = sorted(build_tokenizer().get_vocab().items())
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
@@ -238,15 +240,15 @@ def _train_family(
     torch.manual_seed(seed)
     base = LlamaForCausalLM(_model_config(recipe, tokenizer))
     batches = _base_batches(random.Random(f"darts-demo:{seed}:base"), tokenizer, recipe, held_out)
-    steps, lr, warmup = recipe.base_steps, recipe.base_lr, recipe.warmup_fraction
-    losses = {"base": _train(base, batches, steps, lr, warmup, progress)}
+    losses = {"base": _train(base, batches, recipe.base_steps, recipe.base_lr, recipe, progress)}
     _save(base, tokenizer, paths.base)
     for domain, folder in paths.experts.items():
         expert = copy.deepcopy(base)
         rng = random.Random(f"darts-demo:{seed}:{domain}")
         batches = _expert_batches(rng, tokenizer, recipe, domain, held_out[domain])
-        steps, lr = recipe.expert_steps, recipe.expert_lr
-        losses[domain] = _train(expert, batches, steps, lr, warmup, progress, domain)
+        losses[domain] = _train(
+            expert, batches, recipe.expert_steps, recipe.expert_lr, recipe, progress, domain
+        )
         _save(expert, tokenizer, folder)
     return losses
 
@@ -339,19 +341,17 @@ def _collate(seqs: list[Sequence], pad_id: int) -> Batch:
 
 
 def _train(
-    model: PreTrainedModel,
+    model: LlamaForCausalLM,
     batches: Iterator[Batch],
     steps: int,
     lr: float,
-    warmup_fraction: float,
+    recipe: Recipe,
     progress: bool,
     name: str = "base",
 ) -> float:
-    """AdamW with warmup + cosine decay over the parameters that require grad; returns the last
-    step's loss."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.01)
-    warmup = max(1, int(warmup_fraction * steps))
+    """AdamW with warmup + cosine decay; returns the last step's loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = max(1, int(recipe.warmup_fraction * steps))
     schedule = get_cosine_schedule_with_warmup(optimizer, warmup, steps)
     model.train()
     loss = torch.tensor(float("nan"))
@@ -359,7 +359,7 @@ def _train(
     for step, (input_ids, labels) in zip(bar, batches, strict=False):
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)

@@ -48,6 +48,7 @@ from mergekit_darts.demo.family import (
     _write_stamp,
     _write_tasks,
 )
+from mergekit_darts.demo.pinning import PINS
 from mergekit_darts.demo.real_domains import REAL_DOMAINS
 from mergekit_darts.demo.smollm2 import WEIGHTS_SHA256, smollm2_folder
 
@@ -80,7 +81,7 @@ def build_real_family(
     paths = _family_paths(Path(root).resolve())
     paths = FamilyPaths(paths.root, base, paths.experts, paths.data, paths.tasks)
     ident = {"version": REAL_VERSION, "seed": seed, "recipe": asdict(recipe)}
-    ident["base_weights"] = WEIGHTS_SHA256
+    ident.update(base_weights=WEIGHTS_SHA256, pins=PINS)  # the pins decide the weights' bits
     recipe_hash = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
     if _is_complete(paths, recipe_hash):
         _write_tasks(paths, END_OF_TURN, MAX_GEN_TOKS)
