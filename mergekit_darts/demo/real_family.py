@@ -22,7 +22,7 @@ import hashlib
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -78,8 +78,7 @@ def build_real_family(
     the base folder is the converted checkpoint itself."""
     recipe = recipe or RealRecipe()
     base = smollm2_folder()
-    paths = _family_paths(Path(root).resolve())
-    paths = FamilyPaths(paths.root, base, paths.experts, paths.data, paths.tasks)
+    paths = replace(_family_paths(Path(root).resolve()), base=base)
     ident = {"version": REAL_VERSION, "seed": seed, "recipe": asdict(recipe)}
     ident.update(base_weights=WEIGHTS_SHA256, pins=PINS)  # the pins decide the weights' bits
     recipe_hash = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
