@@ -123,3 +123,13 @@ def test_pooled_reads_several_results_files(tmp_path):
     text = pooled(paths)
     # each run's merge is its own cell: twice the cells of one run, same mean
     assert "| prompts | completion_match | 6 | 4 | 4 | +0.0 | -10.0 | +10.0 |" in text
+
+
+def test_the_pooling_command_names_a_missing_results_file(tmp_path, capsys):
+    from mergekit_darts.demo.evidence import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "runs" / "results.json")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no such results.json" in err and "--full" in err

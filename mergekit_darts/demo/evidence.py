@@ -16,8 +16,8 @@ family seeds' ``results.json``.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -306,5 +306,18 @@ def pooled(paths: Sequence[str | Path]) -> str:
     return "\n".join([*lines, *verdict_markdown(verdict_outcomes(points))])
 
 
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m mergekit_darts.demo.evidence RESULTS.json ...`: the pooled tables."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mergekit_darts.demo.evidence", description=pooled.__doc__
+    )
+    parser.add_argument("results", nargs="+", type=Path, help="results.json of `--full` runs")
+    opts = parser.parse_args(argv)
+    missing = [str(p) for p in opts.results if not p.is_file()]
+    if missing:
+        parser.error(f"no such results.json: {', '.join(missing)} (run the demo with --full first)")
+    print(pooled(opts.results))
+
+
 if __name__ == "__main__":
-    print(pooled(sys.argv[1:]))
+    main()
