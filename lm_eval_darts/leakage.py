@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,10 @@ class CalibrationGrams:
     """The n-grams of one module's calibration sequences (whole sequences when shorter than n).
 
     ``cut[i]`` marks sequence ``i`` as possibly cut short: it then counts only through full
-    n-grams, never as a whole.
+    n-grams, never as a whole. An n-gram found in more than half of the sequences (two at least)
+    is the prompts' shared frame, not one prompt: a chat template plus a fixed instruction is
+    longer than 13 tokens, and every request of the task carries it. Those are dropped, so a
+    request matches only through a window that holds something of one particular prompt.
     """
 
     def __init__(
@@ -49,14 +52,24 @@ class CalibrationGrams:
     ) -> None:
         self._grams: dict[int, set[tuple[int, ...]]] = defaultdict(set)
         cut = list(cut)
+        found_in: Counter[tuple[int, ...]] = Counter()  # sequences holding each gram
+        total = 0
         for index, seq in enumerate(sequences):
+            total += 1
             size = min(n, len(seq))
             if size < n and index < len(cut) and cut[index]:
                 continue
             if size:
-                self._grams[size].update(
-                    tuple(seq[i : i + size]) for i in range(len(seq) - size + 1)
-                )
+                found_in.update({tuple(seq[i : i + size]) for i in range(len(seq) - size + 1)})
+        shared = max(2, total // 2 + 1)
+        for gram, count in found_in.items():
+            if count < shared:
+                self._grams[len(gram)].add(gram)
+
+    def update(self, other: CalibrationGrams) -> None:
+        """Add another module's n-grams (each module's frame is judged on its own prompts)."""
+        for size, grams in other._grams.items():
+            self._grams[size] |= grams
 
     def found_in(self, ids: Sequence[int]) -> bool:
         """Whether ``ids`` contains one of the n-grams."""
@@ -166,8 +179,7 @@ class LeakageCheck:
             manifest = read_manifest(folder)
             routed = module == ROUTED and manifest.router is not None
             names = manifest.router.tasks if routed else [module]
-            sequences: list[list[int]] = []
-            cut: list[bool] = []
+            grams: CalibrationGrams | None = None
             for name in names:
                 entry = manifest.tasks.get(name)
                 path = folder / entry.diagnostics if entry and entry.diagnostics else None
@@ -177,8 +189,10 @@ class LeakageCheck:
                     )
                     continue
                 found = calibration_sequences(path, self._special)
-                marks = possibly_cut(entry.calibration, len(found))
-                sequences += found
-                cut += marks or [False] * len(found)
-            self._grams[key] = CalibrationGrams(sequences, cut=cut) if sequences else None
+                task = CalibrationGrams(found, cut=possibly_cut(entry.calibration, len(found)))
+                if grams is None:
+                    grams = task
+                else:
+                    grams.update(task)
+            self._grams[key] = grams
         return self._grams[key]

@@ -69,3 +69,18 @@ def test_cut_prompts_do_not_match_unrelated_requests(folders):
 def test_whole_prompts_that_were_not_cut_still_match(folders):
     assert overlaps(folders[512], UNRELATED) == 0
     assert overlaps(folders[512], [WHOLE]) == 1
+
+
+def test_a_shared_chat_frame_is_not_leakage_but_a_calibration_prompt_still_is():
+    """Real chat prompts share a template + instruction longer than 13 tokens (SmolLM2's
+    `make demo-real`: every request of every task was flagged). Ids stand for tokens."""
+    from lm_eval_darts.leakage import CalibrationGrams
+
+    frame = list(range(100, 116))  # 16 tokens every prompt of the task carries
+    prompts = [frame + [1, 2, 3, 4, 5], frame + [6, 7, 8, 9, 10], frame + [11, 12, 13, 14, 15]]
+    grams = CalibrationGrams(prompts)
+    assert not grams.found_in(frame + [20, 21, 22, 23, 24])  # another prompt of the same task
+    assert all(grams.found_in(p) for p in prompts)  # the calibration prompts themselves
+    assert grams.found_in([50, 51] + prompts[1] + [52])  # one inside a longer request
+    alone = CalibrationGrams(prompts[:1])  # one prompt: nothing is a shared frame
+    assert alone.found_in(frame + [20, 21, 22, 23, 24])
