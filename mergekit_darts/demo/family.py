@@ -20,7 +20,7 @@ import hashlib
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -358,15 +358,25 @@ def _train(
     bar = tqdm(range(steps), desc=f"train {name}", disable=not progress, leave=False)
     for step, (input_ids, labels) in zip(bar, batches, strict=False):
         loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(loss, model.parameters(), optimizer, schedule)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
     return float(loss.item())
+
+
+def optimizer_step(
+    loss: torch.Tensor,
+    parameters: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Backward, clip the gradient norm to 1, step the optimizer and the schedule, clear grads."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:

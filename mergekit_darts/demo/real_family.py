@@ -47,6 +47,7 @@ from mergekit_darts.demo.family import (
     _write_data,
     _write_stamp,
     _write_tasks,
+    optimizer_step,
 )
 from mergekit_darts.demo.pinning import PINS
 from mergekit_darts.demo.real_domains import REAL_DOMAINS
@@ -183,11 +184,7 @@ def _fine_tune_top(
         scored = targets != -100  # the head only where the loss is: answers are a few tokens
         logits = out[:, :-1][scored] @ head.T
         loss = torch.nn.functional.cross_entropy(logits, targets[scored])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(top.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(loss, top.parameters(), optimizer, schedule)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
     expert = copy.deepcopy(pretrained)  # keeps the embeddings tied to the head
