@@ -41,27 +41,30 @@ class CalibrationGrams:
     """The n-grams of one module's calibration sequences (whole sequences when shorter than n).
 
     ``cut[i]`` marks sequence ``i`` as possibly cut short: it then counts only through full
-    n-grams, never as a whole. An n-gram found in more than half of the sequences (two at least)
-    is the prompts' shared frame, not one prompt: a chat template plus a fixed instruction is
-    longer than 13 tokens, and every request of the task carries it. Those are dropped, so a
-    request matches only through a window that holds something of one particular prompt.
+    n-grams, never as a whole. Templated prompts share a frame (a chat template plus a fixed
+    instruction, longer than 13 tokens) that every request of the task carries, so a window
+    that is mostly frame says nothing about which prompt it came from (SmolLM2's real family:
+    half of the disjoint evaluation prompts shared a window of frame + one word with some
+    calibration prompt). So the prefix and suffix every sequence shares are cut off, and a
+    sequence matches through n-grams of what is left, or, when that is shorter than n, only
+    as a whole. An n-gram found in more than half of the sequences (two at least) is a frame
+    inside the prompts and is dropped too.
     """
 
     def __init__(
         self, sequences: Iterable[Sequence[int]], n: int = NGRAM, cut: Iterable[bool] = ()
     ) -> None:
         self._grams: dict[int, set[tuple[int, ...]]] = defaultdict(set)
-        cut = list(cut)
+        sequences, cut = [list(seq) for seq in sequences], list(cut)
+        start, end = _shared_ends(sequences)
         found_in: Counter[tuple[int, ...]] = Counter()  # sequences holding each gram
-        total = 0
         for index, seq in enumerate(sequences):
-            total += 1
-            size = min(n, len(seq))
-            if size < n and index < len(cut) and cut[index]:
-                continue
-            if size:
-                found_in.update({tuple(seq[i : i + size]) for i in range(len(seq) - size + 1)})
-        shared = max(2, total // 2 + 1)
+            own = seq[start : len(seq) - end]
+            if len(own) >= n:
+                found_in.update({tuple(own[i : i + n]) for i in range(len(own) - n + 1)})
+            elif seq and not (index < len(cut) and cut[index]):
+                found_in[tuple(seq)] += 1
+        shared = max(2, len(sequences) // 2 + 1)
         for gram, count in found_in.items():
             if count < shared:
                 self._grams[len(gram)].add(gram)
@@ -78,6 +81,20 @@ class CalibrationGrams:
             for size, grams in self._grams.items()
             for i in range(len(ids) - size + 1)
         )
+
+
+def _shared_ends(sequences: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """Lengths of the prefix and the suffix that every sequence has (none for fewer than two)."""
+    if len(sequences) < 2:
+        return 0, 0
+    first, shortest = sequences[0], min(len(seq) for seq in sequences)
+    start = 0
+    while start < shortest and all(seq[start] == first[start] for seq in sequences):
+        start += 1
+    end = 0
+    while end < shortest - start and all(seq[-1 - end] == first[-1 - end] for seq in sequences):
+        end += 1
+    return start, end
 
 
 def calibration_sequences(path: Path, drop: set[int]) -> list[list[int]]:

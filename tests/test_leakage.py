@@ -80,7 +80,24 @@ def test_a_shared_chat_frame_is_not_leakage_but_a_calibration_prompt_still_is():
     prompts = [frame + [1, 2, 3, 4, 5], frame + [6, 7, 8, 9, 10], frame + [11, 12, 13, 14, 15]]
     grams = CalibrationGrams(prompts)
     assert not grams.found_in(frame + [20, 21, 22, 23, 24])  # another prompt of the same task
+    # ... also when it starts or ends like a calibration prompt (a window of frame + one word
+    # matched half of SmolLM2's disjoint evaluation prompts)
+    assert not grams.found_in(frame + [1, 21, 22, 23, 24])
+    assert not grams.found_in([1, 2, 3] + frame + [6, 7, 8, 9, 11])
     assert all(grams.found_in(p) for p in prompts)  # the calibration prompts themselves
     assert grams.found_in([50, 51] + prompts[1] + [52])  # one inside a longer request
     alone = CalibrationGrams(prompts[:1])  # one prompt: nothing is a shared frame
     assert alone.found_in(frame + [20, 21, 22, 23, 24])
+
+
+def test_a_framed_prompt_with_long_content_matches_through_its_own_windows():
+    """Content of 13 tokens or more: any 13 of its own tokens in a row are evidence, with or
+    without the frame around them; a suffix frame is cut off like a prefix."""
+    from lm_eval_darts.leakage import CalibrationGrams
+
+    head, tail = list(range(100, 116)), [200, 201, 202]
+    content = [list(range(k * 20, k * 20 + 15)) for k in range(1, 4)]  # 15 tokens each
+    grams = CalibrationGrams([head + c + tail for c in content])
+    assert grams.found_in(content[1][:13])  # 13 of its own tokens, no frame
+    assert not grams.found_in(content[1][:12] + tail)  # 12 of them + the frame
+    assert not grams.found_in(head[-1:] + content[1][:12])

@@ -16,7 +16,9 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mergekit_darts.demo.domains import DOMAIN_NAMES
+from lm_eval_darts.leakage import CalibrationGrams
+from mergekit_darts.demo.domains import DOMAIN_NAMES, make_splits
+from mergekit_darts.demo.real_domains import REAL_DOMAINS
 from mergekit_darts.demo.real_family import (
     END_OF_TURN,
     RealRecipe,
@@ -84,3 +86,23 @@ def test_eval_items_are_templated_and_generation_stops_at_the_end_of_turn(two_bu
         assert all(x["prompt"].startswith("<|im_start|>system\n<|im_end|>") for x in items)
         task = yaml.safe_load((family.tasks / f"demo_{domain}.yaml").read_text())
         assert task["generation_kwargs"]["until"] == [END_OF_TURN]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_leakage_check_tells_evaluation_from_calibration_prompts(seed: int) -> None:
+    """The domains' templated prompts share a frame longer than 13 tokens: hf-darts' leakage
+    check must flag every calibration prompt and none of the disjoint evaluation prompts (on
+    family seed 0 it flagged 21-24 of 50 before the frame's ends were cut off)."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    special = set(tokenizer.all_special_ids)
+
+    def ids(examples) -> list[list[int]]:
+        texts = [chat(tokenizer, ex.prompt) for ex in examples]
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [[t for t in row if t not in special] for row in encoded]
+
+    for domain in DOMAIN_NAMES:
+        splits = make_splits(domain, seed, 50, 50, REAL_DOMAINS)
+        grams = CalibrationGrams(ids(splits.calib))
+        assert all(grams.found_in(row) for row in ids(splits.calib)), domain
+        assert not any(grams.found_in(row) for row in ids(splits.eval)), domain
