@@ -1,4 +1,4 @@
-"""Memory of the LM head copies that kl / ce / select keep (issue 20.12).
+"""Memory of the LM head copies that kl / ce / select keep.
 
 Tasks that compare next-token distributions keep each model's output path (:class:`OutputHead`,
 a float32 copy of the LM head: 0.5 GB at 7B with V = 32000). Several tasks on one target with

@@ -1,4 +1,4 @@
-"""Calibration files that would calibrate on something else than the prompts (issue 28).
+"""Calibration files that would calibrate on something else than the prompts.
 
 A null field is refused (never the text "None"), a UTF-8 byte order mark is no part of the first
 prompt nor of its hash, a repeated prompt is used once (so it cannot be both trained on and held

@@ -258,7 +258,7 @@ BAD_INPUTS = [
         "surgery.tasks[0].eval_tasks: lm-eval task 'gsm8k' is listed twice; list it once",
     ),
     ("bad device", block(device="gpu"), "surgery.device: 'gpu' is not a device"),
-    # issue 9: generation-aware calibration
+    # generation-aware calibration
     (
         "completion loss without continuation (block)",
         block(loss_positions="completion"),
@@ -286,7 +286,7 @@ BAD_INPUTS = [
         task(0, calibration={"continuation_tokens": -1}),
         "surgery.tasks[0].calibration.continuation_tokens: must be >= 0",
     ),
-    # issue 20, item 9: checks that came after the merge or ended in a traceback
+    # checks that must run before the merge and end in one line, never a traceback
     ("encoder-decoder merge", t5_merge, "base model "),
     (
         "encoder-decoder target",

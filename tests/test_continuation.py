@@ -1,4 +1,4 @@
-"""Generation-aware calibration (issue 9): the target's own greedy completions, the completion
+"""Generation-aware calibration: the target's own greedy completions, the completion
 loss mask, and what continuation calibration buys on completion positions."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Nothing is written into a merged folder by a command whose output goes elsewhere (issue 28).
+"""Nothing is written into a merged folder by a command whose output goes elsewhere.
 
 ``export DEST`` inside the merged folder would be deleted by the next ``calibrate --overwrite``
 (when under ``surgery/``) and would mix an export into the model folder; a sweep's ``output:`` is

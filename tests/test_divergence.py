@@ -1,4 +1,4 @@
-"""Issue 20.1-2: diverged training and non-finite numbers never reach ``surgery/``.
+"""Diverged training and non-finite numbers never reach ``surgery/``.
 
 Real ``run_surgery`` on the tiny family; the divergence verdict is checked against losses computed
 here independently from the captured states.

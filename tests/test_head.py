@@ -150,7 +150,7 @@ def test_head_survives_storage_as_tensors():
 
 
 def test_ce_with_the_real_biased_head_moves_the_merge_towards_its_target():
-    """Issue 14's regression: with the bias dropped, ce trained the phi merge away from its target."""
+    """A head's bias is part of the output path: without it, ce trains the phi merge away from its target."""
     merged_model, target_model = _phi(0), _phi(0)
     with torch.no_grad():  # the "fine-tune": a different head bias and perturbed final layers
         target_model.lm_head.bias.copy_(

@@ -1,4 +1,4 @@
-"""Issue 20.12: the head is checked on the first batch of the first capture, and shared per model.
+"""The head is checked on the first batch of the first capture, and shared per model.
 
 Real models throughout: Granite with its ``logits_scaling`` taken out of the known transforms
 (an output path mergekit-darts does not know), and the tiny Llama family.

@@ -1,4 +1,4 @@
-"""A surgery belongs to the weights it was calibrated on (issue 20, item 3).
+"""A surgery belongs to the weights it was calibrated on.
 
 The manifest records the merged folder's content identity; ``load_surgery``, ``apply_surgery``,
 ``hf-darts`` and ``export`` refuse a folder whose weights were merged again with other weights,

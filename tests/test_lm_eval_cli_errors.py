@@ -1,4 +1,4 @@
-"""A surgery model argument that cannot be used ends ``lm_eval`` with one line (issue 28).
+"""A surgery model argument that cannot be used ends ``lm_eval`` with one line.
 
 ``surgery=maths`` (a typo) raised ``SurgeryFormatError`` out of ``hf-darts`` and lm-eval printed
 a Python traceback. The stock ``lm_eval`` (through the startup hook) and the ``lm-eval-darts``

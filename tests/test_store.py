@@ -208,7 +208,7 @@ def _overwrite_hidden_bytes(entry: Path) -> None:
 
 
 def test_changed_tensor_bytes_under_an_intact_header_are_recomputed(family, loads, tmp_path):
-    """Issue 20.1: bit rot or a foreign writer is caught by the entry's checksum, never trained on."""
+    """Bit rot or a foreign writer is caught by the entry's checksum, never trained on."""
     cache = tmp_path / "cache"
     run_surgery(family["merged"], block(family, cache), progress=False)
     good = module_bytes(family["merged"])
@@ -283,7 +283,7 @@ def test_cache_dtype_overflow_is_named(family):
 
 
 def test_a_full_disk_warns_and_the_run_goes_on(family, loads, tmp_path, monkeypatch, caplog):
-    """Issue 20.10: the optional store failing to write is one warning, not a failed run."""
+    """The optional store failing to write is one warning, not a failed run."""
     import errno
 
     from safetensors import SafetensorError
@@ -313,7 +313,7 @@ def test_a_full_disk_warns_and_the_run_goes_on(family, loads, tmp_path, monkeypa
 
 
 def test_a_refused_block_leaves_no_cache_dir_behind(family, tmp_path):
-    """Issue 20.10: cache_dir is made by the first entry written, not by the checks."""
+    """cache_dir is made by the first entry written, not by the checks."""
     from click.testing import CliRunner
 
     from mergekit_darts.cli import main

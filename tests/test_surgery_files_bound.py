@@ -1,4 +1,4 @@
-"""Each surgery file is bound to its manifest entry (issue 28).
+"""Each surgery file is bound to its manifest entry.
 
 Two modules of one shape (two tasks', or one task's from two runs) differ only in their numbers,
 so ``math.safetensors`` replaced by ``code``'s would load and serve the wrong correction. The

@@ -1,5 +1,4 @@
-"""A surgery is stamped with the weights it was trained on, never with those found at the end
-(issue 28).
+"""A surgery is stamped with the weights it was trained on, never with those found at the end.
 
 ``merged_identity`` is taken before anything is captured; when the folder's weights differ at
 write time (a second merge into the same ``out/`` while the first calibrates), the run stops
