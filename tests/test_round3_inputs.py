@@ -263,6 +263,7 @@ def merged(calibrated, tmp_path) -> Path:
     return Path(shutil.copytree(calibrated, tmp_path / "merged", symlinks=True))
 
 
+@pytest.mark.slow
 def test_report_in_a_folder_that_cannot_be_written_is_one_line(merged):
     with unwritable(surgery_dir(merged)):
         line = one_line_error(CliRunner().invoke(darts_cli, ["report", str(merged), "--quiet"]))
@@ -270,6 +271,7 @@ def test_report_in_a_folder_that_cannot_be_written_is_one_line(merged):
     assert "--output" in line
 
 
+@pytest.mark.slow
 def test_report_output_below_a_file_is_one_line(merged, tmp_path):
     (tmp_path / "a_file").write_text("mine")
     output = tmp_path / "a_file" / "report"
@@ -280,6 +282,7 @@ def test_report_output_below_a_file_is_one_line(merged, tmp_path):
     assert (tmp_path / "a_file").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_report_on_truncated_diagnostics_names_the_file(merged):
     path = surgery_dir(merged) / "diagnostics" / "math.safetensors"
     path.write_bytes(path.read_bytes()[:100])
@@ -288,6 +291,7 @@ def test_report_on_truncated_diagnostics_names_the_file(merged):
     assert "--recompute" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("link", ["report", "report/report.md", "report/rho_l1.png"])
 def test_report_refuses_a_link_in_the_way(merged, tmp_path, link):
     """A downloaded model may carry links: the report never writes through one."""
@@ -305,7 +309,8 @@ def test_report_refuses_a_link_in_the_way(merged, tmp_path, link):
     assert listing(elsewhere) == before
 
 
-def test_calibrate_refuses_a_linked_surgery_folder(merged, tmp_path, calibration_data):
+@pytest.mark.slow
+def test_calibrate_refuses_a_linked_surgery_folder(merged, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     shutil.move(surgery_dir(merged), elsewhere)
     surgery_dir(merged).symlink_to(elsewhere)
@@ -318,6 +323,21 @@ def test_calibrate_refuses_a_linked_surgery_folder(merged, tmp_path, calibration
     assert listing(elsewhere) == before
 
 
+@pytest.mark.slow
+def test_export_refuses_a_linked_dest(merged, tmp_path):
+    from mergekit_darts.deploy.export import export
+    from mergekit_darts.errors import ExportError
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    dest = tmp_path / "dest"
+    dest.symlink_to(elsewhere)
+    with pytest.raises(ExportError, match=f"^{dest} exists and is not a folder: choose a new DEST"):
+        export(merged, dest, "math")
+    assert not any(elsewhere.iterdir())
+
+
+@pytest.mark.slow
 def test_calibrate_on_a_folder_that_cannot_be_written_stops_before_capture(merged):
     block = yaml.safe_load((surgery_dir(merged) / "surgery.yml").read_text())["surgery"]
     store = CaptureStore(None)
