@@ -15,19 +15,6 @@ from typing import Any, Protocol
 
 from mergekit_darts.errors import DoubleClaim, ModelArgsError, SurgeryFormatError
 
-__all__ = [
-    "AUTO",
-    "NONE",
-    "RESERVED_TASK_NAMES",
-    "ROUTED",
-    "DoubleClaim",
-    "check_task_name",
-    "eval_task_routes",
-    "manifest_routes",
-    "parse_surgery_map",
-    "route",
-]
-
 NONE = "none"  # no correction
 AUTO = "auto"  # one module per request, chosen by its lm-eval task
 ROUTED = "routed"  # every task's module behind the gate of ``route:`` (core.router)

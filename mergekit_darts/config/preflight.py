@@ -405,6 +405,12 @@ def check_output(out_path: str | Path, overwrite: bool) -> None:
             f"{folder} is a symbolic link (to {os.readlink(folder)}): calibration writes "
             "surgery/ only inside the merged folder; remove the link"
         )
+    if folder.exists() and not overwrite:
+        raise SurgeryConfigError(
+            f"{folder} already exists: pass --overwrite-surgery (mergekit-darts merge), "
+            "--overwrite (mergekit-darts calibrate), set DARTS_OVERWRITE_SURGERY=1 (mergekit-yaml), "
+            "or remove it"
+        )
     if Path(out_path).is_dir():
         try:
             check_writable(Path(out_path))
@@ -413,9 +419,3 @@ def check_output(out_path: str | Path, overwrite: bool) -> None:
                 f"cannot write surgery/ into {out_path}: {err.strerror or err}; make the folder "
                 "writable or calibrate a copy of it"
             ) from None
-    if folder.exists() and not overwrite:
-        raise SurgeryConfigError(
-            f"{folder} already exists: pass --overwrite-surgery (mergekit-darts merge), "
-            "--overwrite (mergekit-darts calibrate), set DARTS_OVERWRITE_SURGERY=1 (mergekit-yaml), "
-            "or remove it"
-        )
