@@ -17,19 +17,20 @@ from types import ModuleType
 from lm_eval_darts.hook import register
 
 
-def one_line_errors(cli: Callable[[], None]) -> Callable[[], None]:
-    """``cli`` printing a ``DartsError`` as ``Error: <message>`` and exiting with status 1."""
+def exit_in_one_line(cli: Callable[[], None]) -> Callable[[], None]:
+    """``cli`` printing a ``DartsError`` as :func:`~mergekit_darts.errors.error_line` does and
+    exiting with status 1."""
     if getattr(cli, "__darts_hook__", False):
         return cli
 
     @functools.wraps(cli)
     def run() -> None:
-        from mergekit_darts.errors import DartsError
+        from mergekit_darts.errors import DartsError, error_line
 
         try:
             cli()
         except DartsError as err:
-            sys.exit(f"Error: {err}")
+            sys.exit(error_line(err))
 
     run.__darts_hook__ = True  # type: ignore[attr-defined]
     return run
@@ -37,14 +38,14 @@ def one_line_errors(cli: Callable[[], None]) -> Callable[[], None]:
 
 def install(main_module: ModuleType) -> None:
     """Startup-hook entry, called with the freshly imported ``lm_eval.__main__``."""
-    main_module.cli_evaluate = one_line_errors(main_module.cli_evaluate)
+    main_module.cli_evaluate = exit_in_one_line(main_module.cli_evaluate)
 
 
 def main() -> None:
     register()
     from lm_eval.__main__ import cli_evaluate  # after registering; this is lm-eval's own entry
 
-    one_line_errors(cli_evaluate)()
+    exit_in_one_line(cli_evaluate)()
 
 
 if __name__ == "__main__":

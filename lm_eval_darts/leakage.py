@@ -182,6 +182,8 @@ class LeakageCheck:
 
     def _encode(self, texts: set[str]) -> dict[str, list[int]]:
         distinct = sorted(texts)
+        if not distinct:  # every document empty: a tokenizer cannot take an empty batch
+            return {}
         encoded = self.tokenizer(distinct, add_special_tokens=False)["input_ids"]
         return {
             text: [t for t in ids if t not in self._special]

@@ -25,7 +25,7 @@ from lm_eval_darts.hook import register
 from lm_eval_darts.leakage import LeakageCheck
 from mergekit_darts.apply import Correction, SurgeryHandle, model_folder
 from mergekit_darts.artifacts import load_routed, load_surgery, read_manifest, resolve_task
-from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.errors import ModelArgsError, SurgeryFormatError, UnsupportedModelError
 from mergekit_darts.routing import AUTO, NONE, ROUTED, manifest_routes, parse_surgery_map, route
 
 eval_logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def default_surgery_path(pretrained: Any, subfolder: str, revision: str | None) 
     """``<pretrained>[/<subfolder>]/surgery``; for a hub id, only that folder is downloaded."""
     base = pretrained if isinstance(pretrained, str) else getattr(pretrained, "name_or_path", "")
     if not base:
-        raise ValueError("pretrained is a model object without a folder: pass surgery_path=")
+        raise ModelArgsError("pretrained is a model object without a folder: pass surgery_path=")
     local = Path(base, subfolder, "surgery")
     if Path(base).exists():
         return local
@@ -91,17 +91,17 @@ class SurgeryPlan:
         keyword = None if surgery is _NOT_GIVEN else str(surgery).lower()
         if surgery is None or keyword == NONE:
             if surgery_map is not None:
-                raise ValueError("surgery_map applies to surgery=auto, not to surgery=none")
+                raise ModelArgsError("surgery_map applies to surgery=auto, not to surgery=none")
             return cls(NONE)
         if surgery_map is not None and keyword not in (None, AUTO):
-            raise ValueError(f"surgery_map applies to surgery=auto, not to surgery={surgery}")
+            raise ModelArgsError(f"surgery_map applies to surgery=auto, not to surgery={surgery}")
         folder = Path(surgery_path or default_surgery_path(pretrained, subfolder, revision))
         manifest = read_manifest(folder)
         weights = weights_folder(pretrained, subfolder)
         names = tuple(manifest.tasks)
         if keyword is None and surgery_map is None:
             if len(names) > 1:
-                raise ValueError(
+                raise ModelArgsError(
                     f"{folder} holds surgery tasks {', '.join(names)}: choose "
                     f"surgery=<task>, surgery=auto (per lm-eval task), "
                     f"surgery=routed (by the router, if the block had route:) or surgery=none"
@@ -174,7 +174,9 @@ class DartsHFLM(HFLM):
                 self._handle.module = None  # the hooks stay, inert: exactly hf's numbers
             return
         if self.backend != "causal":
-            raise ValueError(f"hf-darts corrects decoder-only models; this one is {self.backend}")
+            raise UnsupportedModelError(
+                f"hf-darts corrects decoder-only models; this one is {self.backend}"
+            )
         fixed = plan.modules.get(plan.mode)  # None under auto until a call
         if self._handle is None:
             self._handle = SurgeryHandle(self.model, fixed)
@@ -198,7 +200,7 @@ class DartsHFLM(HFLM):
             name: route(routes, name) if name else None for name in {r.task_name for r in requests}
         }
         if unmapped := sorted(str(name) for name, target in module_of.items() if target is None):
-            raise ValueError(
+            raise ModelArgsError(
                 f"surgery=auto has no module for lm-eval task(s) {', '.join(unmapped)}; mapped: "
                 f"{', '.join(f'{k}:{v}' for k, v in routes.items())}; available surgery tasks: "
                 f"{', '.join(self.surgery.available)} (extend surgery_map=, map a task to none, "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from mergekit_darts.core.correction import (
     leave_call,
     positional_names,
 )
+from mergekit_darts.errors import ModelArgsError, SurgeryFormatError, UnsupportedModelError
 from mergekit_darts.routing import NONE, ROUTED
 
 __all__ = ["Correction", "SurgeryHandle", "apply_surgery", "model_folder"]
@@ -64,22 +65,25 @@ class SurgeryHandle:
     ):
         head = model.get_output_embeddings()
         if head is None:
-            raise ValueError(f"{type(model).__name__} has no output embedding to attach surgery to")
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has no output embedding to attach surgery to"
+            )
         if hasattr(model, SURGERY):
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"{type(model).__name__} is a DARTS export that applies its own surgery; apply "
                 "surgery to the merged model it was exported from, or use the export as it is"
             )
         self.hidden_size = head.in_features
         self.module = module
         self._folder, self._weights = folder, weights
-        self._forward_names = positional_names(type(model).forward)
         self._model = weakref.ref(model)
-        self._handles = [
-            model.register_forward_pre_hook(self._enter, with_kwargs=True),
-            model.register_forward_hook(self._leave, always_call=True),
-            head.register_forward_pre_hook(self._correct),
-        ]
+        self._handles = [head.register_forward_pre_hook(self._correct)]
+        for caller in _callers(model, head):
+            names = positional_names(type(caller).forward)
+            self._handles += [
+                caller.register_forward_pre_hook(self._enter_with(names), with_kwargs=True),
+                caller.register_forward_hook(self._leave, always_call=True),
+            ]
         with _REGISTERING:
             earlier = _HANDLES.get(model)
             _HANDLES[model] = self
@@ -98,7 +102,7 @@ class SurgeryHandle:
     @module.setter
     def module(self, module: Correction | None) -> None:
         if module is not None and module.hidden_size != self.hidden_size:
-            raise ValueError(
+            raise SurgeryFormatError(
                 f"surgery hidden size {module.hidden_size} does not match the model's "
                 f"{self.hidden_size}"
             )
@@ -108,7 +112,7 @@ class SurgeryHandle:
         """Correct with another task of the ``surgery/`` folder this handle was applied from
         (``"routed"``: every routed task behind the router; None or ``"none"``: no correction)."""
         if self._folder is None:
-            raise ValueError(
+            raise ModelArgsError(
                 "this handle was applied with a module, not a surgery folder: assign "
                 "handle.module instead"
             )
@@ -123,8 +127,13 @@ class SurgeryHandle:
         finally:
             self._module = module
 
-    def _enter(self, _model: nn.Module, args: tuple, kwargs: dict) -> None:
-        enter_call(id(self), {**dict(zip(self._forward_names, args, strict=False)), **kwargs})
+    def _enter_with(self, names: tuple[str, ...]) -> Callable[[nn.Module, tuple, dict], None]:
+        """The pre-hook of a model whose ``forward`` takes ``names`` positionally."""
+
+        def enter(_model: nn.Module, args: tuple, kwargs: dict) -> None:
+            enter_call(id(self), {**dict(zip(names, args, strict=False)), **kwargs})
+
+        return enter
 
     def _leave(self, *_: Any) -> None:
         leave_call(id(self))
@@ -152,6 +161,24 @@ class SurgeryHandle:
 
     def __exit__(self, *_exc: object) -> None:
         self.remove()
+
+
+def _callers(model: nn.Module, head: nn.Module) -> list[nn.Module]:
+    """``model`` and every module inside it that ends in the same ``head``: whichever of them a
+    call goes through records the token positions, innermost last (the one the head sees).
+
+    A wrapper such as peft's ``PeftModel`` may take ``forward(*args, **kwargs)``, so its own
+    arguments have no names to read positions from, and its ``generate`` calls the wrapped
+    causal LM directly; the wrapped model's own forward always names them.
+    """
+    inner = [
+        module
+        for module in model.modules()
+        if module is not model
+        and callable(getattr(module, "get_output_embeddings", None))
+        and module.get_output_embeddings() is head
+    ]
+    return [model, *inner]
 
 
 def apply_surgery(

@@ -13,14 +13,12 @@ from collections.abc import Mapping
 
 from _darts_startup import flag  # the one parser, shared with the startup hook
 
-from mergekit_darts.errors import DartsError
+from mergekit_darts.errors import EnvFlagError
+
+__all__ = ["NO_HOOK", "OVERWRITE_SURGERY", "EnvFlagError", "env_flag"]
 
 NO_HOOK = "DARTS_NO_HOOK"  # switches the .pth startup hook off
 OVERWRITE_SURGERY = "DARTS_OVERWRITE_SURGERY"  # lets the stock mergekit-yaml replace surgery/
-
-
-class EnvFlagError(DartsError, ValueError):
-    """A boolean environment variable holds something that is not a boolean."""
 
 
 def env_flag(name: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:

@@ -27,6 +27,13 @@ def inside(path: str | Path, folder: str | Path) -> bool:
     return path == folder or folder in path.parents
 
 
+def check_writable(folder: str | Path) -> None:
+    """Raise the ``OSError`` that writing into the existing ``folder`` would raise, if any: a
+    folder is made in it and removed again (permission bits say nothing to root, a read-only
+    mount or an immutable folder)."""
+    os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=folder))
+
+
 def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)

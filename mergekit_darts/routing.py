@@ -13,7 +13,7 @@ import string
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.errors import DoubleClaim, ModelArgsError, SurgeryFormatError
 
 NONE = "none"  # no correction
 AUTO = "auto"  # one module per request, chosen by its lm-eval task
@@ -42,7 +42,8 @@ def check_task_name(name: str) -> str:
 def parse_surgery_map(value: str | Mapping[str, Any]) -> dict[str, str]:
     """``"gsm8k:math;humaneval:code"`` (or a dict) -> {lm-eval task or glob: surgery task | "none"}.
 
-    Semicolons, because lm-eval splits ``--model_args`` on commas.
+    Semicolons, because lm-eval splits ``--model_args`` on commas. A malformed value raises
+    :class:`~mergekit_darts.errors.ModelArgsError`.
     """
     pairs: list[tuple[str, str]] = []
     if isinstance(value, Mapping):
@@ -51,7 +52,7 @@ def parse_surgery_map(value: str | Mapping[str, Any]) -> dict[str, str]:
         for entry in filter(None, (e.strip() for e in str(value).split(";"))):
             task, sep, target = (part.strip() for part in entry.partition(":"))
             if not (sep and task and target):
-                raise ValueError(
+                raise ModelArgsError(
                     f"bad surgery_map entry {entry!r}: expected <lm-eval task>:<surgery task> "
                     f"pairs separated by ';', e.g. surgery_map=gsm8k:math;humaneval:code"
                 )
@@ -59,21 +60,11 @@ def parse_surgery_map(value: str | Mapping[str, Any]) -> dict[str, str]:
     mapping: dict[str, str] = {}
     for task, target in pairs:
         if mapping.get(task, target) != target:
-            raise ValueError(f"surgery_map maps {task!r} twice ({mapping[task]}, {target})")
+            raise ModelArgsError(f"surgery_map maps {task!r} twice ({mapping[task]}, {target})")
         mapping[task] = target
     if not mapping:
-        raise ValueError("surgery_map is empty; e.g. surgery_map=gsm8k:math;humaneval:code")
+        raise ModelArgsError("surgery_map is empty; e.g. surgery_map=gsm8k:math;humaneval:code")
     return mapping
-
-
-class DoubleClaim(ValueError):
-    """Two surgery tasks claim one lm-eval task; each caller words it for its own source."""
-
-    def __init__(self, eval_task: str, first: str, second: str) -> None:
-        super().__init__(
-            f"lm-eval task {eval_task!r} is claimed by surgery tasks {first!r} and {second!r}"
-        )
-        self.eval_task, self.first, self.second = eval_task, first, second
 
 
 def eval_task_routes(claims: Iterable[tuple[str, Sequence[str] | None]]) -> dict[str, str]:
@@ -119,7 +110,7 @@ def route(routes: Mapping[str, str], task_name: str) -> str | None:
         return routes[task_name]
     hits = {target for pattern, target in routes.items() if fnmatch.fnmatchcase(task_name, pattern)}
     if len(hits) > 1:
-        raise ValueError(
+        raise ModelArgsError(
             f"lm-eval task {task_name!r} matches patterns of several surgery tasks "
             f"({', '.join(sorted(hits))}): add an exact surgery_map entry"
         )

@@ -17,6 +17,8 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from mergekit_darts.fs import atomic_file
+
 DPI = 110
 
 
@@ -49,9 +51,11 @@ def position_bias_norm(position_bias: Any) -> np.ndarray:
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
+    """Write ``fig`` as a new file (``atomic_file``): a link at ``path`` is replaced, never
+    followed, and a reader never sees half an image."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=DPI, bbox_inches="tight")
     return path
 
 

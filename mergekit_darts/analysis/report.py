@@ -11,6 +11,7 @@ folder written without entropy, and checks that the prompts still hash to what t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -23,8 +24,14 @@ from mergekit_darts.analysis import plots
 from mergekit_darts.analysis.document import Document
 from mergekit_darts.artifacts import load_surgery, read_manifest
 from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.errors import ReportError
+from mergekit_darts.fs import check_writable, write_text
 from mergekit_darts.manifest import MANIFEST, REPORT_DIR, SURGERY_YAML, Manifest, TaskEntry
 from mergekit_darts.manifest import surgery_dir as surgery_path
+from mergekit_darts.messages import first_line
+
+PAGES = ("report.md", "report.html", "rho_l1.png", "loss_curves.png")  # once per report
+TASK_PLOTS = ("delta_heatmap", "delta_by_position", "entropy")  # <task>_<plot>.png per task
 
 
 @dataclass
@@ -43,21 +50,30 @@ class Diagnostics:
 
 
 def load_diagnostics(surgery_dir: Path, entry: TaskEntry) -> Diagnostics | None:
-    """The diagnostics the pipeline stored for one task, or None when there are none."""
+    """The diagnostics the pipeline stored for one task, or None when there are none; a file
+    that cannot be read is one line naming it (``--recompute`` does without it)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     name = entry.diagnostics
     if not name or not (surgery_dir / name).is_file():
         return None
-    tensors = {k: plots.as_array(v) for k, v in load_file(surgery_dir / name).items()}
-    mask = tensors["mask"] > 0
-    return Diagnostics(
-        delta_before=tensors["delta_before"],
-        delta_after=tensors["delta_after"],
-        mask=mask,
-        loss_mask=tensors["loss_mask"] > 0 if "loss_mask" in tensors else mask,
-        entropy=tensors.get("entropy"),
-    )
+    try:
+        tensors = {k: plots.as_array(v) for k, v in load_file(surgery_dir / name).items()}
+        mask = tensors["mask"] > 0
+        return Diagnostics(
+            delta_before=tensors["delta_before"],
+            delta_after=tensors["delta_after"],
+            mask=mask,
+            loss_mask=tensors["loss_mask"] > 0 if "loss_mask" in tensors else mask,
+            entropy=tensors.get("entropy"),
+        )
+    except (OSError, SafetensorError, KeyError) as err:
+        why = f"no tensor {err}" if isinstance(err, KeyError) else first_line(str(err))
+        raise ReportError(
+            f"{surgery_dir / name} is not a readable diagnostics file ({why}): run "
+            f"`mergekit-darts report {surgery_dir.parent} --recompute`, which computes them anew"
+        ) from None
 
 
 def position_bias_norm(surgery_dir: Path, task: str, entry: TaskEntry) -> np.ndarray | None:
@@ -164,14 +180,62 @@ def write_report(
     """Write ``report.md``, ``report.html`` and the PNGs; returns the markdown's path.
 
     The default place is ``<merged>/surgery/report/``, so a re-run surgery (which replaces
-    ``surgery/``) never leaves a report describing modules that no longer exist.
+    ``surgery/``) never leaves a report describing modules that no longer exist. A place the
+    report cannot go (a folder that cannot be written, a file in the way, a symbolic link that
+    would lead the writes elsewhere) is refused in one line before anything is computed.
     """
     merged = Path(merged)
     surgery_dir = surgery_path(merged)
     manifest = read_manifest(surgery_dir)
     tasks = manifest.tasks
     out = Path(output) if output else surgery_dir / REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    _check_out(out, [] if output else [surgery_dir, out], tasks)
+    try:
+        return _write(merged, manifest, out, recompute_diagnostics, progress)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename else ""
+        raise ReportError(
+            f"could not write the report to {out}: {err.strerror or err}{where}"
+        ) from None
+
+
+def _files(out: Path, tasks: Sequence[str]) -> list[Path]:
+    """Every file a report of ``tasks`` may write into ``out``."""
+    return [out / name for name in PAGES] + [
+        _plot(out, task, plot) for task in tasks for plot in TASK_PLOTS
+    ]
+
+
+def _plot(out: Path, task: str, plot: str) -> Path:
+    return out / f"{task}_{plot}.png"
+
+
+def _check_out(out: Path, owned: list[Path], tasks: Sequence[str]) -> None:
+    """``out`` exists (made if needed) and can be written, and no symbolic link stands where the
+    report writes: ``owned`` (the folders of the default place inside the merged folder) and
+    the report's own files, so a link in a downloaded model never redirects a write."""
+    for path in [*owned, *_files(out, tasks)]:
+        if path.is_symlink():
+            raise ReportError(
+                f"{path} is a symbolic link (to {os.readlink(path)}): the report writes only "
+                "real files and folders; remove the link or choose --output"
+            )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        check_writable(out)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename and err.filename != str(out) else ""
+        raise ReportError(
+            f"cannot write the report to {out}: {err.strerror or err}{where}; choose a "
+            "writable folder with --output"
+        ) from None
+
+
+def _write(
+    merged: Path, manifest: Manifest, out: Path, recompute_diagnostics: bool, progress: bool
+) -> Path:
+    surgery_dir = surgery_path(merged)
+    tasks = manifest.tasks
     diagnostics = (
         recompute(merged, manifest, progress)
         if recompute_diagnostics
@@ -208,17 +272,18 @@ def write_report(
         ],
     )
     rhos = {t: e.metrics["rho_l1"] for t, e in tasks.items()}
-    doc.image(plots.plot_rho(rhos, out / "rho_l1.png"), "rho_L1 per task")
+    doc.image(plots.plot_rho(rhos, out / PAGES[2]), "rho_L1 per task")
     curves, every = {}, {}
     for t, e in tasks.items():
         curves[t] = e.metrics.get("loss_curve") or []
         every[t] = e.metrics.get("loss_curve_every", 1)
-    doc.image(plots.plot_loss_curves(curves, out / "loss_curves.png", every), "loss curves")
+    doc.image(plots.plot_loss_curves(curves, out / PAGES[3], every), "loss curves")
     for task, entry in tasks.items():
         _task_section(doc, out, surgery_dir, task, entry, diagnostics.get(task))
-    (out / "report.md").write_text(doc.markdown(), encoding="utf-8")
-    (out / "report.html").write_text(doc.html(f"DARTS surgery report: {merged.name}"))
-    return out / "report.md"
+    markdown, html = (out / name for name in PAGES[:2])
+    write_text(markdown, doc.markdown())
+    write_text(html, doc.html(f"DARTS surgery report: {merged.name}"))
+    return markdown
 
 
 def _task_section(
@@ -258,7 +323,7 @@ def _task_section(
         )
     doc.image(
         plots.plot_delta_heatmap(
-            diag.delta_before, diag.delta_after, diag.mask, out / f"{task}_delta_heatmap.png", task
+            diag.delta_before, diag.delta_after, diag.mask, _plot(out, task, "delta_heatmap"), task
         ),
         f"{task}: delta heat map",
     )
@@ -267,7 +332,7 @@ def _task_section(
             diag.delta_before,
             diag.delta_after,
             diag.mask,
-            out / f"{task}_delta_by_position.png",
+            _plot(out, task, "delta_by_position"),
             bias_norm=position_bias_norm(surgery_dir, task, entry),
             title=f"{task}: representation bias by position",
         ),
@@ -283,7 +348,7 @@ def _task_section(
             plots.plot_entropy_by_position(
                 diag.entropy,
                 diag.mask,
-                out / f"{task}_entropy.png",
+                _plot(out, task, "entropy"),
                 f"{task}: target entropy by position",
             ),
             f"{task}: entropy by position",

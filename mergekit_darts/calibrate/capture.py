@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from mergekit_darts.core.head import OutputHead
 from mergekit_darts.core.metrics import token_entropy
+from mergekit_darts.errors import NonFiniteCapture, UnsupportedModelError
 
 
 @dataclass
@@ -35,10 +36,6 @@ class Captured:
         tensors = (self.hidden, self.mask, self.entropy)
         tensors += (self.head.weight, self.head.bias) if self.head is not None else ()
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-class NonFiniteCapture(ValueError):
-    """The model itself computed a value that is not finite: nothing to calibrate on."""
 
 
 MODEL_FIX = (
@@ -126,7 +123,7 @@ def capture(
         raise ValueError("capture needs at least one sequence and no empty sequence")
     head = model.get_output_embeddings()
     if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embedding to hook")
+        raise UnsupportedModelError(f"{type(model).__name__} has no output embedding to hook")
     n, width = len(sequences), max(len(s) for s in sequences)
     hidden = torch.zeros((n, width, head.in_features), dtype=cache_dtype, device=cache_device)
     mask = torch.zeros((n, width), dtype=torch.bool, device=cache_device)

@@ -26,6 +26,7 @@ from mergekit_darts.config.resolve import ResolvedTask
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig
 from mergekit_darts.core.losses import LOGIT_LOSSES
 from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.fs import check_writable
 from mergekit_darts.manifest import surgery_dir
 from mergekit_darts.messages import first_line
 
@@ -82,6 +83,7 @@ class ModelShape:
     hidden_size: int | None
     vocab_size: int | None
     not_causal: str | None = None  # why AutoModelForCausalLM cannot load it as a decoder-only LM
+    max_positions: int | None = None  # positions it has a table for (None: rotary, unbounded)
 
 
 def model_shape(ref: str, key: str, *, trust_remote_code: bool) -> ModelShape:
@@ -100,7 +102,17 @@ def model_shape(ref: str, key: str, *, trust_remote_code: bool) -> ModelShape:
         getattr(text, "hidden_size", None),
         getattr(text, "vocab_size", None),
         _not_causal(config),
+        _position_limit(text),
     )
+
+
+def _position_limit(config: Any) -> int | None:
+    """The positions a model without rotary positions has a table for (GPT-2's ``n_positions``,
+    OPT's learned embeddings, GPT-J's fixed sinusoid table): a longer sequence fails inside the
+    model (an index out of range). Rotary models run past ``max_position_embeddings``."""
+    limit = getattr(config, "max_position_embeddings", None)
+    rotary = getattr(config, "rope_parameters", None) or getattr(config, "alibi", False)
+    return limit if isinstance(limit, int) and limit > 0 and not rotary else None
 
 
 def _not_causal(config: Any) -> str | None:
@@ -156,6 +168,8 @@ def check_targets(
                 f"has {ref_shape.hidden_size}; surgery needs targets of the merged architecture"
             )
         _check_rank(task, ref_shape.hidden_size, reference_label)
+        for label, limit in ((reference_label, ref_shape), (f"target {task.target}", shape)):
+            _check_length(f"{task.key}.calibration", task.calibration, limit, label)
         if check_vocab:
             tokens = _tokenizer_facts(where, trust_remote_code)
             _check_vocab(
@@ -171,6 +185,8 @@ def check_targets(
                 key = f"{task.key}.calibration.chat_template"
                 _check_chat_template(key, ref_tokenizer, reference_label)
         located[task.name] = where
+    if background is not None:
+        _check_length("surgery.route.background", background, ref_shape, reference_label)
     if (
         check_vocab
         and background is not None
@@ -203,6 +219,17 @@ def _check_rank(task: ResolvedTask, hidden_size: int | None, reference_label: st
         raise SurgeryConfigError(
             f"{key}: rank {candidate.rank} exceeds the hidden size {hidden_size} of the "
             f"{reference_label}; a low-rank correction needs rank <= hidden_size (default 16)"
+        )
+
+
+def _check_length(key: str, cal: CalibrationConfig, shape: ModelShape, label: str) -> None:
+    """Calibration sequences (prompt + completion, at most ``max_length`` tokens) must fit the
+    positions a model has: checked before the merge, which would otherwise be written first."""
+    if shape.max_positions is not None and cal.max_length > shape.max_positions:
+        raise SurgeryConfigError(
+            f"{key}.max_length: {cal.max_length} exceeds the {shape.max_positions} positions "
+            f"the {label} has (max_position_embeddings, a learned position table); lower "
+            f"max_length to {shape.max_positions} or less"
         )
 
 
@@ -369,11 +396,26 @@ def by_files(cache: dict[Any, Any], ref: str, trust_remote_code: bool, make: Any
 
 
 def check_output(out_path: str | Path, overwrite: bool) -> None:
-    """Refuse to replace an existing ``surgery/`` folder unless asked to."""
+    """Refuse to replace an existing ``surgery/`` folder unless asked to, a ``surgery/`` that is
+    a symbolic link (calibration writes only inside the merged folder) and a merged folder that
+    cannot be written to: all before any capture or training."""
     folder = surgery_dir(out_path)
+    if folder.is_symlink():
+        raise SurgeryConfigError(
+            f"{folder} is a symbolic link (to {os.readlink(folder)}): calibration writes "
+            "surgery/ only inside the merged folder; remove the link"
+        )
     if folder.exists() and not overwrite:
         raise SurgeryConfigError(
             f"{folder} already exists: pass --overwrite-surgery (mergekit-darts merge), "
             "--overwrite (mergekit-darts calibrate), set DARTS_OVERWRITE_SURGERY=1 (mergekit-yaml), "
             "or remove it"
         )
+    if Path(out_path).is_dir():
+        try:
+            check_writable(Path(out_path))
+        except OSError as err:
+            raise SurgeryConfigError(
+                f"cannot write surgery/ into {out_path}: {err.strerror or err}; make the folder "
+                "writable or calibrate a copy of it"
+            ) from None

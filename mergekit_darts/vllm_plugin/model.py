@@ -41,6 +41,7 @@ from mergekit_darts.deploy.modeling_darts import (
     darts_section,
     surgery_for,
 )
+from mergekit_darts.errors import SurgeryFormatError, UnsupportedModelError
 
 TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers.base"  # defines its class `Base`
 
@@ -67,7 +68,7 @@ class _DartsMixin(nn.Module):
         **kwargs: Any,
     ) -> Any:
         if positions.dim() != 1:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"DARTS surgery needs one absolute position per token, got positions of shape "
                 f"{tuple(positions.shape)} (multi-axis rotary positions are not supported)"
             )
@@ -98,7 +99,7 @@ class _DartsMixin(nn.Module):
         try:
             load_state(module, tensors)
         except StateMismatch as err:
-            raise ValueError(
+            raise SurgeryFormatError(
                 f"the checkpoint's {PREFIX}* tensors {err.found} do not match the {module.kind} "
                 f"module its config.json describes {err.expected}: re-export with "
                 "`mergekit-darts export`"
@@ -140,10 +141,10 @@ class _TransformersBackendMixin(nn.Module):
 def darts_model_class(arch: str) -> type[nn.Module]:
     """``Darts<arch>``: a subclass of the class vLLM registers for ``arch``."""
     if arch not in ModelRegistry.get_supported_archs():
-        raise ValueError(f"vLLM has no model class for architecture {arch!r}")
+        raise UnsupportedModelError(f"vLLM has no model class for architecture {arch!r}")
     base = ModelRegistry.models[arch].load_model_cls()
     if not callable(getattr(base, "compute_logits", None)):
-        raise TypeError(
+        raise UnsupportedModelError(
             f"{arch} is not a text-generating model in vLLM (no compute_logits): DARTS corrects "
             "the hidden states in front of an LM head"
         )
