@@ -9,23 +9,27 @@ give the same numbers by construction:
   ``logits_to_keep``, per thread, and a forward hook that always runs forgets them when the call
   returns, so the head called directly afterwards is left alone (never corrected with an earlier
   call's positions);
-* a forward pre-hook on the output embedding replaces its input ``h`` by ``module(h, p)``.
+* a forward pre-hook on the output embedding replaces its input ``h`` by ``module(h, p)``; the
+  model's pre-hook moves it to the output embedding the model has at each call, so one that
+  ``resize_token_embeddings`` put in place of the hooked one is corrected too.
 
 One handle per model: a second ``apply_surgery`` (or ``SurgeryHandle``) on a model replaces the
-first, whose hooks come off, so a re-run notebook cell never stacks two corrections.
+first, whose hooks come off, so a re-run notebook cell never stacks two corrections. The model's
+own hooks say which handle it has, so a ``copy.deepcopy`` of a corrected model, which carries a
+copy of the hooks and their handle, is corrected once, and once again after ``apply_surgery``.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mergekit_darts.core.correction import (
     SURGERY,
@@ -41,9 +45,7 @@ from mergekit_darts.routing import NONE, ROUTED
 
 __all__ = ["Correction", "SurgeryHandle", "apply_surgery", "model_folder"]
 
-# model -> its live handle (weak: a model that is gone takes its entry with it)
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, SurgeryHandle] = weakref.WeakKeyDictionary()
-_REGISTERING = threading.Lock()
+_REGISTERING = threading.Lock()  # hooks go on and come off one model at a time
 
 
 class SurgeryHandle:
@@ -74,17 +76,18 @@ class SurgeryHandle:
         self.module = module
         self._folder, self._weights = folder, weights
         self._forward_names = positional_names(type(model).forward)
-        self._model = weakref.ref(model)
-        self._handles = [
-            model.register_forward_pre_hook(self._enter, with_kwargs=True),
-            model.register_forward_hook(self._leave, always_call=True),
-            head.register_forward_pre_hook(self._correct),
-        ]
+        self._head: nn.Module | None = None
+        self._head_hook: RemovableHandle | None = None
         with _REGISTERING:
-            earlier = _HANDLES.get(model)
-            _HANDLES[model] = self
+            earlier = _handle_of(model)
+            if earlier is not None:
+                earlier._unhook()
+            self._handles = [
+                model.register_forward_pre_hook(self._enter, with_kwargs=True),
+                model.register_forward_hook(self._leave, always_call=True),
+            ]
+            self._hook_head(head)
         if earlier is not None:
-            earlier.remove()
             warnings.warn(
                 f"{type(model).__name__} already had DARTS surgery applied: it was replaced (one "
                 "correction at a time; the earlier handle is removed)",
@@ -123,7 +126,18 @@ class SurgeryHandle:
         finally:
             self._module = module
 
-    def _enter(self, _model: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _hook_head(self, head: nn.Module) -> None:
+        """Correct ``head``'s input from now on, and no longer the head hooked before."""
+        if self._head_hook is not None:
+            self._head_hook.remove()
+        self._head, self._head_hook = head, head.register_forward_pre_hook(self._correct)
+
+    def _enter(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        head = model.get_output_embeddings()
+        if head is not self._head:  # replaced since the last call (resize_token_embeddings)
+            with _REGISTERING:
+                if head is not self._head and self._handles:
+                    self._hook_head(head)
         enter_call(id(self), {**dict(zip(self._forward_names, args, strict=False)), **kwargs})
 
     def _leave(self, *_: Any) -> None:
@@ -139,13 +153,15 @@ class SurgeryHandle:
 
     def remove(self) -> None:
         """Take the hooks off: the model is the plain model again."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        model = self._model()
         with _REGISTERING:
-            if model is not None and _HANDLES.get(model) is self:
-                del _HANDLES[model]
+            self._unhook()
+
+    def _unhook(self) -> None:
+        for handle in [*self._handles, self._head_hook]:
+            if handle is not None:
+                handle.remove()
+        self._handles.clear()
+        self._head, self._head_hook = None, None
 
     def __enter__(self) -> SurgeryHandle:
         return self
@@ -178,6 +194,16 @@ def _load(folder: Path, task: str | None, weights: Path | None) -> Correction:
     if task == ROUTED:
         return load_routed(folder, weights=weights).eval()
     return load_surgery(folder, task, weights=weights).eval()
+
+
+def _handle_of(model: nn.Module) -> SurgeryHandle | None:
+    """The handle whose hooks ``model`` carries, if any (found on the model itself, so a copy of
+    a corrected model has its own copy's)."""
+    for hook in model._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, SurgeryHandle):
+            return owner
+    return None
 
 
 def model_folder(model: object) -> Path | None:
