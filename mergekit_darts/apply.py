@@ -78,6 +78,11 @@ class SurgeryHandle:
         self._forward_names = positional_names(type(model).forward)
         self._head: nn.Module | None = None
         self._head_hook: RemovableHandle | None = None
+        # where the head sits in the model: read there at each call (get_output_embeddings costs
+        # about 20 us, a dict lookup per level under 1 us)
+        self._head_path = next(
+            (tuple(name.split(".")) for name, m in model.named_modules() if m is head), ()
+        )
         with _REGISTERING:
             earlier = _handle_of(model)
             if earlier is not None:
@@ -133,8 +138,8 @@ class SurgeryHandle:
         self._head, self._head_hook = head, head.register_forward_pre_hook(self._correct)
 
     def _enter(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        head = model.get_output_embeddings()
-        if head is not self._head:  # replaced since the last call (resize_token_embeddings)
+        if _submodule(model, self._head_path) is not self._head:  # resize_token_embeddings
+            head = model.get_output_embeddings()
             with _REGISTERING:
                 if head is not self._head and self._handles:
                     self._hook_head(head)
@@ -194,6 +199,14 @@ def _load(folder: Path, task: str | None, weights: Path | None) -> Correction:
     if task == ROUTED:
         return load_routed(folder, weights=weights).eval()
     return load_surgery(folder, task, weights=weights).eval()
+
+
+def _submodule(model: nn.Module, path: tuple[str, ...]) -> nn.Module | None:
+    """The module at ``path`` (names from ``model`` down), or None."""
+    found: nn.Module | None = model
+    for name in path:
+        found = None if found is None else found._modules.get(name)
+    return found
 
 
 def _handle_of(model: nn.Module) -> SurgeryHandle | None:
