@@ -2,7 +2,8 @@
 
 The cell fingerprint holds what lm-eval reads for the eval tasks by content (each config with the
 YAMLs it includes, the data files, folders and ``!function`` modules it names), not only their
-names: an edited data file or task YAML reruns the cells instead of keeping the old scores.
+names: an edited data file or task YAML reruns the cells instead of keeping the old scores. An
+``hf-darts`` argument that changes the merged weights (``peft=``, ``delta=``) is refused up front.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from test_sweep import EVAL_TASKS, Counting, spec_file  # noqa: F401  (spec_file
 from mergekit_darts.analysis import sweep
 from mergekit_darts.analysis.sweep import cell as sweep_cell
 from mergekit_darts.analysis.sweep.cell import tasks_identity
+from mergekit_darts.errors import SurgeryConfigError
 
 
 def one_choice_thrice(data: Path) -> None:
@@ -123,3 +125,17 @@ def test_tasks_identity_follows_includes_groups_tags_data_and_functions(
         assert identity(tasks) == before
     with contextlib.chdir(tmp_path):  # elsewhere the relative data files are not there
         assert identity(["task_a"]) != identity(["task_b"])
+
+
+@pytest.mark.parametrize("name", ["peft", "delta"])
+def test_weights_changing_model_args_are_refused_before_anything_runs(
+    spec_file: Path,  # noqa: F811
+    tmp_path: Path,
+    name: str,
+) -> None:
+    spec = yaml.safe_load(spec_file.read_text())
+    spec["eval"]["model_args"][name] = str(tmp_path / "adapter")
+    path = tmp_path / "bad.yml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SurgeryConfigError, match=f"sweep.eval.model_args: {name}= changes"):
+        sweep.plan(sweep.load_spec(path))

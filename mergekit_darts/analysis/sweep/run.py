@@ -64,7 +64,20 @@ def plan(spec: SweepSpec) -> Planned:
             raise SurgeryConfigError(f"sweep cell {cell_id(settings)}: {err}") from None
         planned.append((settings, block))
     check_routes(spec, base)
+    check_weights_args(spec)
     return planned
+
+
+def check_weights_args(spec: SweepSpec) -> None:
+    """No ``hf-darts`` argument that changes the merged weights the cells' surgeries fit."""
+    from lm_eval_darts.model import OTHER_WEIGHTS
+
+    for name in OTHER_WEIGHTS:
+        if spec.eval.model_args.get(name):
+            raise SurgeryConfigError(
+                f"sweep.eval.model_args: {name}= changes the merged weights, and each cell's "
+                f"surgery is calibrated on them without it; drop {name}="
+            )
 
 
 def check_routes(spec: SweepSpec, block: Mapping[str, Any]) -> None:
