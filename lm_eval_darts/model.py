@@ -34,12 +34,19 @@ from lm_eval_darts.leakage import LeakageCheck
 from mergekit_darts.apply import Correction, SurgeryHandle, model_folder
 from mergekit_darts.artifacts import load_routed, load_surgery, read_manifest, resolve_task
 from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError
-from mergekit_darts.routing import AUTO, NONE, ROUTED, manifest_routes, parse_surgery_map, route
+from mergekit_darts.routing import (
+    AUTO,
+    NONE,
+    OTHER_WEIGHTS,
+    ROUTED,
+    manifest_routes,
+    parse_surgery_map,
+    route,
+)
 
 eval_logger = logging.getLogger(__name__)
 
 _NOT_GIVEN: Any = object()  # the CLI turns `surgery=none` into "none", simple_evaluate into None
-OTHER_WEIGHTS = ("peft", "delta")  # HFLM arguments that change the weights the surgery corrects
 R = TypeVar("R")
 
 

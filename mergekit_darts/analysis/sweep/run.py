@@ -43,7 +43,7 @@ from mergekit_darts.analysis.sweep.tables import write_results
 from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.config import parse_surgery
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.routing import parse_surgery_map, route
+from mergekit_darts.routing import OTHER_WEIGHTS, parse_surgery_map, route
 
 CELLS = "cells"  # <output>/cells/<cell id>/
 
@@ -70,8 +70,6 @@ def plan(spec: SweepSpec) -> Planned:
 
 def check_weights_args(spec: SweepSpec) -> None:
     """No ``hf-darts`` argument that changes the merged weights the cells' surgeries fit."""
-    from lm_eval_darts.model import OTHER_WEIGHTS
-
     for name in OTHER_WEIGHTS:
         if spec.eval.model_args.get(name):
             raise SurgeryConfigError(
