@@ -7,10 +7,18 @@ generation, KV cache, ``logits_to_keep``). This class only chooses which task's 
 With ``surgery=auto`` the module depends on each request's lm-eval task. HFLM merges identical
 requests across tasks and scores a whole call in shared batches, so one module per row cannot work;
 each call is split by module and HFLM runs once per group with that module active.
+
+Under ``--use_cache`` lm-eval keys each cached answer by its request alone; the cache database is
+given a key of the correction in use (:meth:`SurgeryPlan.cache_key`) to fold into every key, so
+runs with different corrections never read each other's answers, while ``surgery=none`` shares
+``hf``'s (they are the same answers).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,8 +33,20 @@ from lm_eval_darts.hook import register
 from lm_eval_darts.leakage import LeakageCheck
 from mergekit_darts.apply import Correction, SurgeryHandle, model_folder
 from mergekit_darts.artifacts import load_routed, load_surgery, read_manifest, resolve_task
-from mergekit_darts.errors import ModelArgsError, SurgeryFormatError, UnsupportedModelError
-from mergekit_darts.routing import AUTO, NONE, ROUTED, manifest_routes, parse_surgery_map, route
+from mergekit_darts.errors import (
+    ModelArgsError,
+    SurgeryFormatError,
+    UnsupportedModelError,
+)
+from mergekit_darts.routing import (
+    AUTO,
+    NONE,
+    OTHER_WEIGHTS,
+    ROUTED,
+    manifest_routes,
+    parse_surgery_map,
+    route,
+)
 
 eval_logger = logging.getLogger(__name__)
 
@@ -126,6 +146,46 @@ class SurgeryPlan:
         modules = {task: load_surgery(folder, task, weights=weights) for task in sorted(targets)}
         return cls(AUTO, folder, names, routes, modules)
 
+    def cache_key(self) -> str | None:
+        """What the answers depend on besides the request: the mode, the routing and every
+        module by content (None for no correction: ``hf``'s answers)."""
+        if self.mode == NONE:
+            return None
+        digest = hashlib.sha256(json.dumps([self.mode, dict(self.routes or {})]).encode())
+        for name, module in sorted(self.modules.items()):
+            digest.update(f"{name}\0{module!r}\0".encode())
+            for key, tensor in sorted(module.state_dict().items()):
+                digest.update(key.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+
+@functools.cache
+def _keyed(database: type) -> type:
+    """``database`` (lm-eval's cache, a ``SqliteDict``) with every key qualified by
+    ``darts_key()``, the correction in use (None: the key as it is).
+
+    lm-eval's ``CachingLM`` computes the keys itself and gives the model only the database, so the
+    correction is folded in where keys are looked up and stored.
+    """
+
+    class Keyed(database):  # type: ignore[valid-type, misc]
+        darts_key: Callable[[], str | None]
+
+        def _qualified(self, key: str) -> str:
+            extra = self.darts_key()
+            return key if extra is None else hashlib.sha256(f"{extra}\0{key}".encode()).hexdigest()
+
+        def __contains__(self, key: object) -> bool:
+            return super().__contains__(self._qualified(str(key)))
+
+        def __getitem__(self, key: str) -> Any:
+            return super().__getitem__(self._qualified(key))
+
+        def __setitem__(self, key: str, value: Any) -> None:
+            super().__setitem__(self._qualified(key), value)
+
+    return Keyed
+
 
 class DartsHFLM(HFLM):
     """HFLM whose LM head sees ``module(h, p)`` instead of ``h`` (DARTS, paper eq. 4).
@@ -134,7 +194,9 @@ class DartsHFLM(HFLM):
     every request gets the router-weighted correction, whatever its lm-eval task),
     ``surgery_path=`` (default ``<pretrained>/surgery``) and ``surgery_map=<lm-eval task>:<surgery
     task>;...`` (replaces the manifest's ``eval_tasks`` routing; implies ``auto``). Everything else
-    goes to HFLM unchanged. ``surgery=none`` attaches nothing, so it scores exactly like ``hf``.
+    goes to HFLM unchanged, except ``peft=`` and ``delta=``, refused with a surgery: they change
+    the weights it was calibrated on. ``surgery=none`` attaches nothing, so it scores exactly like
+    ``hf``.
     """
 
     def __init__(
@@ -147,7 +209,8 @@ class DartsHFLM(HFLM):
     ) -> None:
         # Checked before HFLM loads the model, so a typo costs no model load.
         self._source = (pretrained, kwargs.get("subfolder") or "", kwargs.get("revision", "main"))
-        plan = SurgeryPlan.resolve(surgery, surgery_map, surgery_path, *self._source)
+        self._other_weights = {name: kwargs[name] for name in OTHER_WEIGHTS if kwargs.get(name)}
+        plan = self._checked(SurgeryPlan.resolve(surgery, surgery_map, surgery_path, *self._source))
         super().__init__(pretrained=pretrained, **kwargs)
         self._handle: SurgeryHandle | None = None
         self._use(plan)
@@ -163,10 +226,23 @@ class DartsHFLM(HFLM):
         A sweep scores many surgery folders on one merged model: swapping the modules between
         them costs nothing, reloading the model for each would cost a full load.
         """
-        self._use(SurgeryPlan.resolve(surgery, surgery_map, surgery_path, *self._source))
+        plan = SurgeryPlan.resolve(surgery, surgery_map, surgery_path, *self._source)
+        self._use(self._checked(plan))
+
+    def _checked(self, plan: SurgeryPlan) -> SurgeryPlan:
+        """``plan``, unless it would correct weights that ``peft=`` or ``delta=`` changed."""
+        if plan.mode != NONE and self._other_weights:
+            name, value = next(iter(self._other_weights.items()))
+            raise ModelArgsError(
+                f"hf-darts: {name}={value} changes the merged weights, but the surgery in "
+                f"{plan.folder} was calibrated on them without {name}= and corrects only those; "
+                f"drop {name}=, or pass surgery=none to evaluate without a correction"
+            )
+        return plan
 
     def _use(self, plan: SurgeryPlan) -> None:
         self.surgery = plan
+        self._cache_key = plan.cache_key()
         # counts belong to one set of modules: a sweep cell must not report the previous cell's
         self._leakage = LeakageCheck(self.tokenizer)
         if plan.mode == NONE:
@@ -246,9 +322,14 @@ class DartsHFLM(HFLM):
         return self._grouped(super().generate_until, requests, disable_tqdm)
 
     def set_cache_hook(self, cache_hook: CacheHook) -> None:
-        # --use_cache keys answers by request text only, so under `auto` a request shared by two
-        # tasks would come back from the cache with the other task's correction.
-        if self.surgery.mode == AUTO and cache_hook.dbdict is not None:
+        database = cache_hook.dbdict
+        if database is not None:  # --use_cache: fold the correction into the database's keys
+            if not hasattr(database, "darts_key"):
+                database.__class__ = _keyed(type(database))
+            database.darts_key = lambda: self._cache_key
+        # the keys still hold no lm-eval task, so under `auto` a request shared by two tasks
+        # would come back from the cache with the other task's correction
+        if self.surgery.mode == AUTO and database is not None:
             eval_logger.warning(
                 "hf-darts: --use_cache keys requests by text only; with surgery=auto, identical "
                 "requests of tasks served by different modules share one cached answer"

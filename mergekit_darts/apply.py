@@ -4,28 +4,34 @@
 own mechanism (:mod:`mergekit_darts.core.correction`), so ``apply_surgery`` and an exported folder
 give the same numbers by construction:
 
-* a forward pre-hook on the whole model records the call's token positions (0 = first real
+* a forward pre-hook on the whole model, and on every module inside it that ends in the same
+  output embedding (a wrapper such as peft's ``PeftModel``, whose ``generate`` calls the wrapped
+  model directly and whose ``forward(*args, **kwargs)`` names no argument), records the call's token positions (0 = first real
   token, pads = -1, read by name from ``attention_mask`` / ``position_ids`` / the KV cache) and
   ``logits_to_keep``, per thread, and a forward hook that always runs forgets them when the call
   returns, so the head called directly afterwards is left alone (never corrected with an earlier
   call's positions);
-* a forward pre-hook on the output embedding replaces its input ``h`` by ``module(h, p)``.
+* a forward pre-hook on the output embedding replaces its input ``h`` by ``module(h, p)``; the
+  model's pre-hook moves it to the output embedding the model has at each call, so one that
+  ``resize_token_embeddings`` put in place of the hooked one is corrected too.
 
 One handle per model: a second ``apply_surgery`` (or ``SurgeryHandle``) on a model replaces the
-first, whose hooks come off, so a re-run notebook cell never stacks two corrections.
+first, whose hooks come off, so a re-run notebook cell never stacks two corrections. The model's
+own hooks say which handle it has, so a ``copy.deepcopy`` of a corrected model, which carries a
+copy of the hooks and their handle, is corrected once, and once again after ``apply_surgery``.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mergekit_darts.core.correction import (
     SURGERY,
@@ -42,9 +48,7 @@ from mergekit_darts.routing import NONE, ROUTED
 
 __all__ = ["Correction", "SurgeryHandle", "apply_surgery", "model_folder"]
 
-# model -> its live handle (weak: a model that is gone takes its entry with it)
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, SurgeryHandle] = weakref.WeakKeyDictionary()
-_REGISTERING = threading.Lock()
+_REGISTERING = threading.Lock()  # hooks go on and come off one model at a time
 
 
 class SurgeryHandle:
@@ -76,19 +80,30 @@ class SurgeryHandle:
         self.hidden_size = head.in_features
         self.module = module
         self._folder, self._weights = folder, weights
-        self._model = weakref.ref(model)
-        self._handles = [head.register_forward_pre_hook(self._correct)]
-        for caller in _callers(model, head):
-            names = positional_names(type(caller).forward)
-            self._handles += [
-                caller.register_forward_pre_hook(self._enter_with(names), with_kwargs=True),
-                caller.register_forward_hook(self._leave, always_call=True),
-            ]
+        self._head: nn.Module | None = None
+        self._head_hook: RemovableHandle | None = None
+        callers = _callers(model, head)
+        # per caller class: the names of its positional forward arguments, and where the head
+        # sits below it, read there at each call (get_output_embeddings costs about 20 us, a dict
+        # lookup per level under 1 us); keyed by class so a deepcopy's modules find theirs
+        self._calls = {
+            type(caller): (positional_names(type(caller).forward), _path_to(caller, head))
+            for caller in callers
+        }
         with _REGISTERING:
-            earlier = _HANDLES.get(model)
-            _HANDLES[model] = self
+            earlier = _handle_of(model)
+            if earlier is not None:
+                earlier._unhook()
+            self._handles = [
+                hook
+                for caller in callers
+                for hook in (
+                    caller.register_forward_pre_hook(self._enter, with_kwargs=True),
+                    caller.register_forward_hook(self._leave, always_call=True),
+                )
+            ]
+            self._hook_head(head)
         if earlier is not None:
-            earlier.remove()
             warnings.warn(
                 f"{type(model).__name__} already had DARTS surgery applied: it was replaced (one "
                 "correction at a time; the earlier handle is removed)",
@@ -127,13 +142,20 @@ class SurgeryHandle:
         finally:
             self._module = module
 
-    def _enter_with(self, names: tuple[str, ...]) -> Callable[[nn.Module, tuple, dict], None]:
-        """The pre-hook of a model whose ``forward`` takes ``names`` positionally."""
+    def _hook_head(self, head: nn.Module) -> None:
+        """Correct ``head``'s input from now on, and no longer the head hooked before."""
+        if self._head_hook is not None:
+            self._head_hook.remove()
+        self._head, self._head_hook = head, head.register_forward_pre_hook(self._correct)
 
-        def enter(_model: nn.Module, args: tuple, kwargs: dict) -> None:
-            enter_call(id(self), {**dict(zip(names, args, strict=False)), **kwargs})
-
-        return enter
+    def _enter(self, caller: nn.Module, args: tuple, kwargs: dict) -> None:
+        names, head_path = self._calls[type(caller)]
+        if _submodule(caller, head_path) is not self._head:  # resize_token_embeddings
+            head = caller.get_output_embeddings()
+            with _REGISTERING:
+                if head is not self._head and self._handles:
+                    self._hook_head(head)
+        enter_call(id(self), {**dict(zip(names, args, strict=False)), **kwargs})
 
     def _leave(self, *_: Any) -> None:
         leave_call(id(self))
@@ -148,37 +170,21 @@ class SurgeryHandle:
 
     def remove(self) -> None:
         """Take the hooks off: the model is the plain model again."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        model = self._model()
         with _REGISTERING:
-            if model is not None and _HANDLES.get(model) is self:
-                del _HANDLES[model]
+            self._unhook()
+
+    def _unhook(self) -> None:
+        for handle in [*self._handles, self._head_hook]:
+            if handle is not None:
+                handle.remove()
+        self._handles.clear()
+        self._head, self._head_hook = None, None
 
     def __enter__(self) -> SurgeryHandle:
         return self
 
     def __exit__(self, *_exc: object) -> None:
         self.remove()
-
-
-def _callers(model: nn.Module, head: nn.Module) -> list[nn.Module]:
-    """``model`` and every module inside it that ends in the same ``head``: whichever of them a
-    call goes through records the token positions, innermost last (the one the head sees).
-
-    A wrapper such as peft's ``PeftModel`` may take ``forward(*args, **kwargs)``, so its own
-    arguments have no names to read positions from, and its ``generate`` calls the wrapped
-    causal LM directly; the wrapped model's own forward always names them.
-    """
-    inner = [
-        module
-        for module in model.modules()
-        if module is not model
-        and callable(getattr(module, "get_output_embeddings", None))
-        and module.get_output_embeddings() is head
-    ]
-    return [model, *inner]
 
 
 def apply_surgery(
@@ -205,6 +211,42 @@ def _load(folder: Path, task: str | None, weights: Path | None) -> Correction:
     if task == ROUTED:
         return load_routed(folder, weights=weights).eval()
     return load_surgery(folder, task, weights=weights).eval()
+
+
+def _callers(model: nn.Module, head: nn.Module) -> list[nn.Module]:
+    """``model`` and every module inside it that ends in the same ``head``: whichever of them a
+    call goes through records the token positions, innermost last (the one the head sees)."""
+    inner = [
+        module
+        for module in model.modules()
+        if module is not model
+        and callable(getattr(module, "get_output_embeddings", None))
+        and module.get_output_embeddings() is head
+    ]
+    return [model, *inner]
+
+
+def _path_to(model: nn.Module, head: nn.Module) -> tuple[str, ...]:
+    """The names from ``model`` down to ``head``."""
+    return next((tuple(name.split(".")) for name, m in model.named_modules() if m is head), ())
+
+
+def _submodule(model: nn.Module, path: tuple[str, ...]) -> nn.Module | None:
+    """The module at ``path`` (names from ``model`` down), or None."""
+    found: nn.Module | None = model
+    for name in path:
+        found = None if found is None else found._modules.get(name)
+    return found
+
+
+def _handle_of(model: nn.Module) -> SurgeryHandle | None:
+    """The handle whose hooks ``model`` carries, if any (found on the model itself, so a copy of
+    a corrected model has its own copy's)."""
+    for hook in model._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, SurgeryHandle):
+            return owner
+    return None
 
 
 def model_folder(model: object) -> Path | None:

@@ -23,6 +23,9 @@ RESERVED_TASK_NAMES = (
     AUTO,
     ROUTED,
 )  # values of hf-darts' ``surgery=`` with their own meaning
+# hf-darts (HFLM) arguments that change the merged weights a surgery was calibrated on: refused
+# with a surgery, by hf-darts and when a sweep is planned
+OTHER_WEIGHTS = ("peft", "delta")
 TASK_NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "_.-")
 
 

@@ -18,7 +18,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from mergekit_darts import SurgeryModule
 from mergekit_darts.analysis.report import write_report
@@ -187,45 +187,6 @@ def test_a_peft_model_is_corrected_in_forward_and_generate(llama, task_type):
     torch.testing.assert_close(by_position.double(), expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(by_keyword.double(), expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(generated.logits[0].double(), expected[:, -1], atol=1e-4, rtol=0)
-
-
-@pytest.mark.slow
-def test_hf_darts_with_a_peft_adapter_without_task_type(calibrated, tmp_path):
-    """``peft=`` with an adapter saved without task_type scores exactly like the same adapter
-    saved as CAUSAL_LM (whose keyword forward always had the positions), with a visible
-    correction."""
-    peft = pytest.importorskip("peft")
-    from lm_eval.api.instance import Instance
-
-    from lm_eval_darts.model import DartsHFLM
-
-    adapters = {}
-    for task_type in (None, "CAUSAL_LM"):
-        torch.manual_seed(5)
-        config = peft.LoraConfig(
-            r=2, target_modules=["q_proj"], task_type=task_type, init_lora_weights=False
-        )
-        adapters[task_type] = tmp_path / str(task_type)
-        base = AutoModelForCausalLM.from_pretrained(calibrated)
-        peft.get_peft_model(base, config).save_pretrained(adapters[task_type])
-    ramp = lambda n: torch.linspace(-0.05, 0.05, n)  # noqa: E731  (a visible correction)
-    folder = edited_surgery(calibrated, tmp_path / "surgery", ramp)
-    requests = [
-        Instance("loglikelihood", {}, (prompt, " five"), i, ("darts_tiny_mc", i, 1))
-        for i, prompt in enumerate(["question : two plus three is", "the sun and the moon"])
-    ]
-    scores = {}
-    for task_type, adapter in adapters.items():
-        lm = DartsHFLM(
-            pretrained=str(calibrated),
-            peft=str(adapter),
-            surgery="math",
-            surgery_path=str(folder),
-            device="cpu",
-            dtype="float32",
-        )
-        scores[task_type] = [ll for ll, _ in lm.loglikelihood(requests)]
-    assert scores[None] == pytest.approx(scores["CAUSAL_LM"], abs=1e-5)
 
 
 # --- empty documents of a loglikelihood_rolling task ---------------------------------------------

@@ -49,7 +49,12 @@ from mergekit_darts.deploy.modeling_darts import (
 )
 from mergekit_darts.errors import ExportError
 from mergekit_darts.fs import inside, staged_folder
-from mergekit_darts.identity import WEIGHT_SUFFIXES
+from mergekit_darts.identity import (
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    WEIGHT_SUFFIXES,
+    weights_entry,
+)
 from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS
 from mergekit_darts.manifest import RECIPE, surgery_dir
 from mergekit_darts.routing import ROUTED
@@ -57,8 +62,7 @@ from mergekit_darts.routing import ROUTED
 MODELING_FILE = Path(modeling_darts.__file__)
 # the shipped file, and the correction it imports relatively under the name it imports
 SHIPPED_FILES = {MODELING_FILE.name: MODELING_FILE, CORRECTION_FILE: Path(correction.__file__)}
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+INDEX, SINGLE = SAFETENSORS_INDEX, SAFETENSORS
 # transformers prefers model.safetensors over the index, which would skip the surgery tensors:
 # a single-file merge is therefore exported under a shard name the index points to.
 SINGLE_AS_SHARD = "model-00001-of-00001.safetensors"
@@ -181,8 +185,10 @@ class _Source:
 
 
 def _weight_map(out: Path) -> dict[str, str]:
-    """tensor name -> file, from the index or from the single file's header (safetensors only)."""
-    if (out / INDEX).is_file():
+    """tensor name -> file, from the index or from the single file's header (safetensors only):
+    the one transformers loads (:func:`weights_entry`), never stale files lying beside it."""
+    entry = weights_entry(out)
+    if entry == INDEX:
         try:
             weight_map = json.loads((out / INDEX).read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
@@ -190,11 +196,14 @@ def _weight_map(out: Path) -> dict[str, str]:
         missing = sorted({f for f in weight_map.values() if not (out / f).is_file()})
         if missing:
             raise ExportError(f"{out / INDEX} lists missing files: {', '.join(missing)}")
-    elif (out / SINGLE).is_file():
+    elif entry == SINGLE:
         weight_map = dict.fromkeys(_tensor_bytes(out / SINGLE), SINGLE)
     else:
+        found = f"has no {SINGLE} or {INDEX}"
+        if entry is not None:
+            found = f"loads its weights from {entry}, not {SINGLE} or {INDEX}"
         raise ExportError(
-            f"{out} has no {SINGLE} or {INDEX}: export reads safetensors weights only "
+            f"{out} {found}: export reads safetensors weights only "
             "(re-run the merge with mergekit's default --safe-serialization)"
         )
     clash = [name for name in weight_map if name.startswith(PREFIX)]

@@ -9,6 +9,7 @@ the cell's folder, written atomically: a killed sweep never leaves one that look
 from __future__ import annotations
 
 import copy
+import glob
 import hashlib
 import itertools
 import json
@@ -58,7 +59,12 @@ def cell_block(block: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[st
 
 
 def fingerprint(*parts: Any) -> str:
-    """sha256 of the JSON of what determines a cell's result: a changed spec reruns the cell."""
+    """sha256 of the JSON of what determines a cell's result: a changed part reruns the cell.
+
+    The sweep passes the merged folder's path, the cell's block, the eval settings, the
+    :func:`inputs_identity` of the merged weights, the targets and the calibration files, the
+    :func:`tasks_identity` of the eval tasks' configs and data files, and the merge YAML.
+    """
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -89,6 +95,92 @@ def inputs_identity(
             "calibration": of(calibration, _file_sha256) if calibration else None,
         }
     return identity
+
+
+def tasks_identity(tasks: Sequence[str], task_manager: Any) -> dict[str, Any]:
+    """What lm-eval reads for the eval tasks, by content: the config of each task, group and tag
+    member (its YAML with every YAML it includes) and the local files it names: ``dataset_path``
+    and the files, folders or globs in ``dataset_kwargs`` (``data_files``, ``data_dir``; relative
+    to the working directory, as lm-eval reads them) and ``!function`` modules.
+
+    Task names say nothing of what the files hold: an edited task YAML or data file must rerun
+    the cells, never skip them with the old scores. A Hub dataset is named, not read.
+    """
+    index = task_manager.task_index
+    found: dict[str, Any] = {}
+
+    def visit(name: str) -> None:
+        if name in found:
+            return
+        entry = index.get(name)
+        if entry is None:  # a YAML path, or a name lm-eval itself will refuse
+            config = _yaml_config(Path(name))
+            members: list[str] = []
+        else:
+            config, members = entry.cfg, sorted(entry.tags) if entry.cfg is None else []
+        found[name] = {"config": config, "files": _named_files(config or {})}
+        for child in members + _group_members(config or {}):
+            if child in index:
+                visit(child)
+
+    for task in tasks:
+        visit(task)
+    return found
+
+
+def _yaml_config(path: Path) -> dict[str, Any] | None:
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(path, resolve_func=False) if path.is_file() else None
+
+
+def _group_members(config: Mapping[str, Any]) -> list[str]:
+    """Names of the tasks and groups a group config lists (inline configs: their own members)."""
+    if "group" not in config:
+        return []
+    listed = config.get("task") or []
+    members = []
+    for item in listed if isinstance(listed, list) else [listed]:
+        if isinstance(item, str):
+            members.append(item)
+        elif isinstance(item, Mapping):
+            if isinstance(item.get("task"), str):
+                members.append(item["task"])
+            members += _group_members(item)
+    return members
+
+
+def _named_files(config: Mapping[str, Any]) -> dict[str, str | None]:
+    """Local path -> sha256 of each file a task config names (None: named, not there)."""
+    named = [config.get("dataset_path"), config.get("dataset_kwargs")]
+    functions = [  # ``!function utils.process_docs`` reads as "<yaml folder>/utils.process_docs"
+        str(Path(s).with_suffix(".py"))
+        for s in _strings(config)
+        if Path(s).is_absolute() and Path(s).suffix and Path(s).with_suffix(".py").is_file()
+    ]
+    files: dict[str, str | None] = {}
+    for text in [*_strings(named), *functions]:
+        path = Path(text).expanduser()
+        if path.is_dir():
+            for item in sorted(p for p in path.rglob("*") if p.is_file()):
+                files[str(item)] = _file_sha256(item)
+        elif path.is_file():
+            files[text] = _file_sha256(path)
+        elif any(c in text for c in "*?["):
+            for item in sorted(glob.glob(text, recursive=True)):
+                files[item] = _file_sha256(Path(item))
+    return files
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a nested config value, in order."""
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, Mapping):
+        return [s for item in value.values() for s in _strings(item)]
+    if isinstance(value, list | tuple):
+        return [s for item in value for s in _strings(item)]
+    return []
 
 
 def _target_identity(path: Path) -> str | None:

@@ -2,8 +2,9 @@
 
 Every cell is validated before anything runs. A cell whose ``result.json`` carries the same
 fingerprint (merged model's path and weights, cell block, its targets' weights and calibration
-files, eval settings, merge YAML) is skipped, so a killed sweep loses only its unscored cells
-and a changed spec, merge, target or calibration file reruns exactly the cells it changes. The
+files, eval settings, the eval tasks' config and data files, merge YAML) is skipped, so a killed
+sweep loses only its unscored cells and a changed spec, merge, target, calibration file or eval
+task file reruns exactly the cells it changes. The
 cells share one capture store, so each model is loaded once for capture in the whole sweep.
 """
 
@@ -28,6 +29,7 @@ from mergekit_darts.analysis.sweep.cell import (
     fingerprint,
     inputs_identity,
     load_cell,
+    tasks_identity,
 )
 from mergekit_darts.analysis.sweep.merges import Merge, locate_merges, make_merge
 from mergekit_darts.analysis.sweep.spec import (
@@ -41,7 +43,7 @@ from mergekit_darts.analysis.sweep.tables import write_results
 from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.config import parse_surgery
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.routing import parse_surgery_map, route
+from mergekit_darts.routing import OTHER_WEIGHTS, parse_surgery_map, route
 
 CELLS = "cells"  # <output>/cells/<cell id>/
 
@@ -62,7 +64,18 @@ def plan(spec: SweepSpec) -> Planned:
             raise SurgeryConfigError(f"sweep cell {cell_id(settings)}: {err}") from None
         planned.append((settings, block))
     check_routes(spec, base)
+    check_weights_args(spec)
     return planned
+
+
+def check_weights_args(spec: SweepSpec) -> None:
+    """No ``hf-darts`` argument that changes the merged weights the cells' surgeries fit."""
+    for name in OTHER_WEIGHTS:
+        if spec.eval.model_args.get(name):
+            raise SurgeryConfigError(
+                f"sweep.eval.model_args: {name}= changes the merged weights, and each cell's "
+                f"surgery is calibrated on them without it; drop {name}="
+            )
 
 
 def check_routes(spec: SweepSpec, block: Mapping[str, Any]) -> None:
@@ -144,6 +157,7 @@ def run_merge_cells(
     serves every cell with its modules swapped.
     """
     eval_key = spec.eval.model_dump()
+    task_files = tasks_identity(spec.eval.tasks, task_manager)  # read once, at this merge's start
     records: list[dict[str, Any] | None] = []
     todo: list[tuple[int, Cell]] = []
     known: dict[str, Any] = {}  # identities read for this merge's cells
@@ -151,7 +165,7 @@ def run_merge_cells(
         settings = {MERGE: merge.name, **grid_settings} if merge.name else grid_settings
         cell = Cell(settings, block, output / CELLS / cell_id(settings), "")
         inputs = inputs_identity(merged, block, known)
-        cell.key = fingerprint(str(merged), block, eval_key, inputs, *merge.fingerprint)
+        cell.key = fingerprint(str(merged), block, eval_key, inputs, task_files, *merge.fingerprint)
         done = load_cell(cell.folder)
         if done is not None and done.get("fingerprint") == cell.key:
             progress.write(f"{cell_id(settings)}: finished earlier, skipped")
