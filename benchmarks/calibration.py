@@ -53,6 +53,7 @@ def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str,
     from safetensors.torch import load_file
 
     from mergekit_darts import run_surgery
+    from mergekit_darts.diagnostics import read_token_ids
 
     warm_imports()
     task = block["tasks"][0]["name"]
@@ -68,8 +69,8 @@ def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str,
     folder = Path(merged) / "surgery"
     module_file = folder / entry["file"]
     params = sum(t.numel() for t in load_file(module_file).values())
-    diagnostics = load_file(folder / entry["diagnostics"])
-    n, width = diagnostics["mask"].shape
+    _, mask = read_token_ids(folder / entry["diagnostics"])
+    n, width = mask.shape
     timings = entry["timings"]
     load_merged = manifest["timings"]["load_merged_s"]
     return {
@@ -86,7 +87,7 @@ def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str,
         "memory": memory,
         "n": int(n),
         "width": int(width),
-        "tokens": int(diagnostics["mask"].sum()),
+        "tokens": int(mask.sum()),
         "hidden": int(manifest["hidden_size"]),
         "cache_bytes": cache_bytes(int(n), int(width), int(manifest["hidden_size"])),
         "params": int(params),

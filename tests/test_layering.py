@@ -70,7 +70,7 @@ LAYERS = [
     ("identity",),  # a model folder's content identity, on the shipped file's fingerprint
     ("core", "losses", "metrics"),
     ("config",),
-    ("artifacts", "apply"),
+    ("artifacts", "apply", "diagnostics"),
     ("calibrate",),
     ("integrations",),
     ("deploy.export", "vllm_plugin"),

@@ -23,6 +23,7 @@ from mergekit_darts.analysis import plots
 from mergekit_darts.analysis.document import Document
 from mergekit_darts.artifacts import load_surgery, read_manifest
 from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.diagnostics import diagnostics_path, read_diagnostics
 from mergekit_darts.manifest import MANIFEST, REPORT_DIR, SURGERY_YAML, Manifest, TaskEntry
 from mergekit_darts.manifest import surgery_dir as surgery_path
 
@@ -44,12 +45,10 @@ class Diagnostics:
 
 def load_diagnostics(surgery_dir: Path, entry: TaskEntry) -> Diagnostics | None:
     """The diagnostics the pipeline stored for one task, or None when there are none."""
-    from safetensors.torch import load_file
-
-    name = entry.diagnostics
-    if not name or not (surgery_dir / name).is_file():
+    path = diagnostics_path(surgery_dir, entry)
+    if path is None:
         return None
-    tensors = {k: plots.as_array(v) for k, v in load_file(surgery_dir / name).items()}
+    tensors = {k: plots.as_array(v) for k, v in read_diagnostics(path).items()}
     mask = tensors["mask"] > 0
     return Diagnostics(
         delta_before=tensors["delta_before"],

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import save as safetensors_bytes
 
 from mergekit_darts.artifacts import read_manifest, write_surgery_folder
 from mergekit_darts.calibrate.continuation import tokens_sha256
@@ -28,6 +27,7 @@ from mergekit_darts.calibrate.fit import TaskRun, settings_of
 from mergekit_darts.calibrate.route import FittedRouter
 from mergekit_darts.config import CalibrationConfig, SurgeryConfig, model_shape
 from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.diagnostics import diagnostics_bytes
 from mergekit_darts.errors import SurgeryRunError
 from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import BLOCK_KEY, SURGERY_YAML, Manifest, diagnostics_file, surgery_dir
@@ -181,23 +181,16 @@ def _position_metrics(run: TaskRun) -> dict[str, float | None]:
 def _diagnostics(run: TaskRun) -> bytes:
     """Per-token bias before/after (the paper's Figure 1 heat map) without recomputing anything."""
     before, after = run.delta_all
-    real = run.merged.mask.cpu()
-    ids = torch.zeros(real.shape, dtype=torch.int64)
-    for row, seq in enumerate(run.sequences):
-        ids[row, : len(seq)] = torch.as_tensor(seq)
-    tensors = {
-        "input_ids": ids,
-        "mask": real.clone(),
-        "loss_mask": run.loss_mask().clone(),
-        "delta_before": before.contiguous(),
-        "delta_after": after.contiguous(),
-    }
-    if run.completion_mask is not None:
-        tensors["completion_mask"] = run.completion_mask.contiguous()
-    if run.target.entropy is not None:
-        tensors["entropy"] = run.target.entropy.cpu().contiguous()
-    # One metadata key: safetensors orders several at random, and the bytes must be reproducible.
-    return safetensors_bytes(tensors, metadata={"format": "darts-surgery-diagnostics"})
+    entropy = run.target.entropy
+    return diagnostics_bytes(
+        run.sequences,
+        run.merged.mask.cpu(),
+        run.loss_mask(),
+        before,
+        after,
+        completion_mask=run.completion_mask,
+        entropy=None if entropy is None else entropy.cpu(),
+    )
 
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
