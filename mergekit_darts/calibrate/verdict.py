@@ -35,8 +35,7 @@ import torch
 
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.train import positions_of
-from mergekit_darts.core.head import LOGIT_CHUNK
-from mergekit_darts.core.metrics import delta
+from mergekit_darts.core.metrics import delta, rho_from_sums
 from mergekit_darts.core.modules import SurgeryModule
 
 NAMES = {
@@ -96,19 +95,14 @@ def completion_scores(
         h_star = held.target.hidden[row][keep].to(torch.float32)
         h_hat = module(h, positions_of(held.merged.mask[row : row + 1])[0][keep])
         before, after = delta(h, h_star).double().sum(), delta(h_hat, h_star).double().sum()
-        scores["completion_rho_l1"].append(None if before == 0 else float(1 - after / before))
+        scores["completion_rho_l1"].append(rho_from_sums(before, after))
         if not with_logits:
             scores["completion_match"].append(None)
             scores["completion_agreement"].append(None)
             continue
-        reference = held.reference[row].to(device)[keep]
-        agree = 0
-        for chunk in range(0, h.shape[0], LOGIT_CHUNK):
-            part = slice(chunk, chunk + LOGIT_CHUNK)
-            top1 = head.logits(h_hat[part]).argmax(-1)
-            wanted = reference[part]
-            hits = torch.where(wanted == END, torch.isin(top1, eos), top1 == wanted)
-            agree += int(hits.sum())
+        wanted = held.reference[row].to(device)[keep]
+        top1 = head.top1(h_hat).to(device)
+        agree = int(torch.where(wanted == END, torch.isin(top1, eos), top1 == wanted).sum())
         scores["completion_agreement"].append(agree / h.shape[0])
         scores["completion_match"].append(float(agree == h.shape[0]))
     return scores
