@@ -128,7 +128,10 @@ def sweep_overhead(settings: Any, merged: str, target: str, calib: str, workdir:
                 cell["module"], hidden, settings.rank, settings.max_positions, seed=cell["seed"]
             )
             train = TrainSettings(
-                cell["loss"], settings.steps, 1e-3, settings.batch_size, cell["seed"]
+                loss=cell["loss"],
+                steps=settings.steps,
+                batch_size=settings.batch_size,
+                seed=cell["seed"],
             )
             train_surgery(
                 module,

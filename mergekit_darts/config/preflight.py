@@ -25,6 +25,7 @@ from typing import Any
 from mergekit_darts.config.resolve import ResolvedTask
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig
 from mergekit_darts.core.losses import LOGIT_LOSSES
+from mergekit_darts.core.spec import DEFAULT_RANK
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.manifest import surgery_dir
 from mergekit_darts.messages import first_line
@@ -202,7 +203,8 @@ def _check_rank(task: ResolvedTask, hidden_size: int | None, reference_label: st
         key = f"{task.select_key}.candidates[{number}].rank" if own else task.source_key("rank")
         raise SurgeryConfigError(
             f"{key}: rank {candidate.rank} exceeds the hidden size {hidden_size} of the "
-            f"{reference_label}; a low-rank correction needs rank <= hidden_size (default 16)"
+            f"{reference_label}; a low-rank correction needs rank <= hidden_size "
+            f"(default {DEFAULT_RANK})"
         )
 
 
