@@ -11,7 +11,7 @@ The correction itself (modules, router, position rule, float32 step) is ``darts_
 shipped next to this file: mergekit-darts' own ``core/correction.py``, copied verbatim, the code
 its training, ``apply_surgery`` and vLLM plugin run too. This file adds the export format
 (``config.json``'s ``darts`` section: ``export_config`` writes it, ``darts_section`` checks it),
-the fingerprint of the weights the surgery belongs to, and the transformers classes:
+the check of the weights the surgery belongs to, and the transformers classes:
 ``DartsConfig`` and ``DartsForCausalLM`` build, once per base class, a subclass of transformers'
 own config and causal-LM classes (named in ``config.darts``) that adds the ``darts_surgery``
 module and a forward pre-hook on the output embedding, so head bias, logit scaling and
@@ -23,11 +23,8 @@ is not installed).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import re
-import struct
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -47,6 +44,7 @@ from .darts_correction import (
     enter_call,
     leave_call,
     positional_names,
+    weights_fingerprint,
 )
 
 # ---- the export format ------------------------------------------------------------------------------
@@ -227,61 +225,6 @@ def _check_routed(darts: Mapping[str, Any]) -> None:
 # A surgery module corrects the weights it was calibrated on, and no others. An export's weights are
 # symlinks, hardlinks or copies of its merge's files, so a merge redone in place changes a linked
 # export under it: the export records each weight file's fingerprint and refuses to load another.
-
-SAMPLE_BYTES = 256  # bytes read at each sampled offset
-SAMPLES_PER_TENSOR = 4  # evenly spaced over each tensor's data, first and last bytes included
-SAMPLES_PER_FILE = 4096  # a weight file that is not safetensors: evenly spaced over the file
-
-
-def weights_fingerprint(path: str | os.PathLike[str]) -> str:
-    """sha256 of a weight file's size, its safetensors header and a few bytes of every tensor.
-
-    Content, not metadata (mtime, inode), so every copy of a file has the same fingerprint; and
-    cheap: about a thousand small reads for a 7B checkpoint, where hashing every byte would take
-    as long as loading it. A different merge changes (nearly) every byte of the tensors it
-    changes, so it cannot pass; a deliberate edit of unsampled bytes could, which is not what this
-    guards against.
-    """
-    size = os.path.getsize(path)
-    digest = hashlib.sha256(f"{size}\0".encode())
-    with open(path, "rb") as handle:
-        spans = _safetensors_spans(handle, size, digest)
-        count = SAMPLES_PER_TENSOR
-        if spans is None:  # not safetensors
-            spans, count = [(0, size)], SAMPLES_PER_FILE
-        for start, end in spans:
-            for offset in _sample_offsets(start, end, count):
-                handle.seek(offset)
-                digest.update(handle.read(min(SAMPLE_BYTES, end - offset)))
-    return digest.hexdigest()
-
-
-def _safetensors_spans(handle: Any, size: int, digest: Any) -> list[tuple[int, int]] | None:
-    """Each tensor's data (start, end) in the file, its header hashed into ``digest``; None when
-    the file is not safetensors."""
-    try:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        if length > size - 8:
-            return None
-        raw = handle.read(length)
-        header = json.loads(raw)
-        spans = sorted(
-            (8 + length + info["data_offsets"][0], 8 + length + info["data_offsets"][1])
-            for name, info in header.items()
-            if name != "__metadata__"
-        )
-    except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return None
-    digest.update(raw)
-    return spans
-
-
-def _sample_offsets(start: int, end: int, count: int) -> list[int]:
-    """Where to read ``SAMPLE_BYTES`` in [start, end): all of it if small, else ``count`` spots."""
-    if end - start <= count * SAMPLE_BYTES:
-        return list(range(start, end, SAMPLE_BYTES))
-    last = end - SAMPLE_BYTES
-    return [start + (last - start) * i // (count - 1) for i in range(count)]
 
 
 def check_weights(folder: str | os.PathLike[str], darts: Mapping[str, Any]) -> None:
