@@ -217,7 +217,7 @@ def phase_time_baselines(
 
     from mergekit_darts import build_module
     from mergekit_darts.calibrate.capture import capture
-    from mergekit_darts.calibrate.train import TrainSettings, evaluate, train_surgery
+    from mergekit_darts.calibrate.train import TrainSettings, measure_bias, train_surgery
 
     device, batch, repeats = settings["device"], settings["batch_size"], settings["repeats"]
     steps, pad = settings["steps"], settings["pad_id"]
@@ -261,7 +261,9 @@ def phase_time_baselines(
             )
             merged_cap, target_cap = held["merged"], held["target"]
             final_eval.append(
-                _time(lambda: evaluate(out.module, merged_cap, target_cap, merged_cap.mask), sync)
+                _time(
+                    lambda: measure_bias(out.module, merged_cap, target_cap, merged_cap.mask), sync
+                )
             )
 
         def bare(kind: str = kind) -> None:

@@ -31,7 +31,7 @@ from lm_eval.api.instance import Instance
 
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.diagnostics import diagnostics_path, read_token_ids
-from mergekit_darts.routing import ROUTED
+from mergekit_darts.task_map import ROUTED
 
 NGRAM = 13  # lm-eval's decontamination n-gram length
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from lm_eval_darts.leakage import LeakageCheck
 from mergekit_darts.apply import Correction, SurgeryHandle, model_folder
 from mergekit_darts.artifacts import load_routed, load_surgery, read_manifest, resolve_task
 from mergekit_darts.errors import SurgeryFormatError
-from mergekit_darts.routing import AUTO, NONE, ROUTED, manifest_routes, parse_surgery_map, route
+from mergekit_darts.task_map import AUTO, NONE, ROUTED, manifest_routes, parse_surgery_map, route
 
 eval_logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from mergekit_darts.core.correction import (
     leave_call,
     positional_names,
 )
-from mergekit_darts.routing import NONE, ROUTED
+from mergekit_darts.task_map import NONE, ROUTED
 
 __all__ = ["Correction", "SurgeryHandle", "apply_surgery", "model_folder"]
 

@@ -34,7 +34,7 @@ from mergekit_darts.manifest import (
     module_file,
     relative_file_name,
 )
-from mergekit_darts.routing import ROUTED
+from mergekit_darts.task_map import ROUTED
 
 
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:

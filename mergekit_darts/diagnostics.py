@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save
 
 from mergekit_darts.manifest import TaskEntry
 
-FORMAT = "darts-surgery-diagnostics"  # the file's one metadata value
+DIAGNOSTICS_FORMAT = "darts-surgery-diagnostics"  # the file's one metadata value
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ def diagnostics_bytes(
     if entropy is not None:
         tensors["entropy"] = _copy(entropy)
     # One metadata key: safetensors orders several at random, and the bytes must be reproducible.
-    return save(tensors, metadata={"format": FORMAT})
+    return save(tensors, metadata={"format": DIAGNOSTICS_FORMAT})
 
 
 def diagnostics_path(surgery_dir: Path, entry: TaskEntry | None) -> Path | None:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mergekit_darts.core.spec import ModuleSpec
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.messages import describe_error
-from mergekit_darts.routing import check_task_name
+from mergekit_darts.task_map import check_task_name
 
 BLOCK_KEY = "surgery"  # the merge YAML's key for the block
 SURGERY_DIR = "surgery"  # the folder inside a merged model

@@ -62,7 +62,7 @@ LAYERS = [
         "fs",
         "messages",
         "manifest",
-        "routing",
+        "task_map",
     ),
     ("identity",),  # a model folder's content identity and cache key
     ("core", "losses", "metrics"),

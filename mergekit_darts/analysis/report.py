@@ -97,7 +97,7 @@ def recompute(merged: Path, manifest: Manifest, progress: bool) -> dict[str, Dia
     """
     from mergekit_darts.calibrate.data import load_prompts
     from mergekit_darts.calibrate.pipeline import PreparedSurgery, capture_tasks
-    from mergekit_darts.calibrate.train import evaluate
+    from mergekit_darts.calibrate.train import measure_bias
     from mergekit_darts.config import check_targets, parse_surgery, read_surgery_file, resolve_tasks
 
     surgery_dir = surgery_path(merged)
@@ -117,7 +117,7 @@ def recompute(merged: Path, manifest: Manifest, progress: bool) -> dict[str, Dia
     out = {}
     for task, cal in zip(tasks, captured.runs, strict=True):
         module = load_surgery(surgery_dir, task.name)
-        before, after, _ = evaluate(module, cal.merged, cal.target, cal.merged.mask)
+        before, after, _ = measure_bias(module, cal.merged, cal.target, cal.merged.mask)
         mask = cal.merged.mask.cpu()
         completion = cal.completion_mask
         loss_mask = mask & completion.cpu() if task.loss_positions == "completion" else mask

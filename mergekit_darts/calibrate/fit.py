@@ -29,8 +29,8 @@ from mergekit_darts.calibrate.selection import (
 from mergekit_darts.calibrate.train import (
     TrainResult,
     TrainSettings,
-    evaluate,
     in_rows,
+    measure_bias,
     train_surgery,
 )
 from mergekit_darts.calibrate.verdict import HeldOutCompletions, completion_scores, decide, mean
@@ -117,7 +117,7 @@ def train_task(run: TaskRun, runtime: Runtime) -> None:
             module = run.result.module
         if run.held_rows is not None:
             run.held_out = _held_out_entry(run, module, saved=run.train_rows is not None)
-        before, after, _ = evaluate(run.result.module, run.merged, run.target, run.merged.mask)
+        before, after, _ = measure_bias(run.result.module, run.merged, run.target, run.merged.mask)
         run.delta_all = (before, after)
 
 

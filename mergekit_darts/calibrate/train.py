@@ -198,7 +198,7 @@ def train_surgery(
     seconds = time.perf_counter() - start
     module.eval()
     loss_end = dataset_loss(module, merged, target, rows, counted, settings)
-    before, after, rho = evaluate(module, merged, target, counted)
+    before, after, rho = measure_bias(module, merged, target, counted)
     return TrainResult(module, curve, rho, before, after, seconds, loss_start, loss_end)
 
 
@@ -222,7 +222,7 @@ def dataset_loss(
 
 
 @torch.no_grad()
-def evaluate(
+def measure_bias(
     module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Per-token bias before / after the module, and rho_L1, over the counted tokens."""

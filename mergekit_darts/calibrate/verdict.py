@@ -43,7 +43,7 @@ NAMES = {
     "completion_agreement": "completion agreement",
     "completion_rho_l1": "completion ρ_L1",
 }
-END = -1  # the reference at a position that predicts the end of the completion
+END_OF_COMPLETION = -1  # the reference at a position that predicts the end of the completion
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,9 @@ class HeldOutCompletions:
 
     merged: Captured
     target: Captured
-    reference: torch.Tensor  # [N, T] long: the next token at a predicting position (or END)
+    reference: (
+        torch.Tensor
+    )  # [N, T] long: the next token at a predicting position (or END_OF_COMPLETION)
     predicting: torch.Tensor  # [N, T] bool: the positions that predict the completion
     eos_ids: frozenset[int]  # the merged model's end-of-sequence ids
 
@@ -64,10 +66,10 @@ def completion_reference(
 
     Position ``p - 1 + j`` predicts completion token ``j``; a completion shorter than
     ``max_tokens`` ended with an end-of-sequence token, which position ``p - 1 + c`` predicts
-    (its reference is :data:`END`: any end-of-sequence id ends the merge's completion too).
+    (its reference is :data:`END_OF_COMPLETION`: any end-of-sequence id ends the merge's completion too).
     """
     width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-    reference = torch.full((len(prompts), width), END, dtype=torch.long)
+    reference = torch.full((len(prompts), width), END_OF_COMPLETION, dtype=torch.long)
     predicting = torch.zeros((len(prompts), width), dtype=torch.bool)
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         start, count = len(prompt) - 1, len(completion)
@@ -102,7 +104,9 @@ def completion_scores(
             continue
         wanted = held.reference[row].to(device)[keep]
         top1 = head.top1(h_hat).to(device)
-        agree = int(torch.where(wanted == END, torch.isin(top1, eos), top1 == wanted).sum())
+        agree = int(
+            torch.where(wanted == END_OF_COMPLETION, torch.isin(top1, eos), top1 == wanted).sum()
+        )
         scores["completion_agreement"].append(agree / h.shape[0])
         scores["completion_match"].append(float(agree == h.shape[0]))
     return scores

@@ -24,7 +24,7 @@ from mergekit_darts.artifacts import read_manifest, write_surgery_folder
 from mergekit_darts.calibrate.continuation import tokens_sha256
 from mergekit_darts.calibrate.data import Prompts
 from mergekit_darts.calibrate.fit import TaskRun, settings_of
-from mergekit_darts.calibrate.route import FittedRouter
+from mergekit_darts.calibrate.fit_router import FittedRouter
 from mergekit_darts.config import CalibrationConfig, SurgeryConfig, model_shape
 from mergekit_darts.core.metrics import rho_from_deltas
 from mergekit_darts.diagnostics import diagnostics_bytes

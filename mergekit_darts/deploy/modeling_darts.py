@@ -52,7 +52,9 @@ from .darts_correction import (
 MODEL_TYPE = "darts"  # config.json's model_type: plain transformers refuses it without this file
 FORMAT, VERSION = "darts-export", 1  # config.json's darts.format and darts.version
 ARCHITECTURE_PREFIX = "Darts"  # config.json's architectures: Darts<base architecture>
-PREFIX = SURGERY + "."  # so the checkpoint's names of the surgery tensors are the attribute's
+TENSOR_PREFIX = (
+    SURGERY + "."
+)  # so the checkpoint's names of the surgery tensors are the attribute's
 SURGERY_FILE = "darts_surgery.safetensors"  # the surgery tensors, listed in the weight index
 CORRECTION_FILE = "darts_correction.py"  # the sibling imported below, shipped next to this file
 AUTO_MAP = {
@@ -105,7 +107,7 @@ def export_config(
         "base_architecture": config["architectures"][0],
         **what,
         "hidden_size": hidden_size,
-        "prefix": PREFIX,
+        "prefix": TENSOR_PREFIX,
         **({"weights": dict(sorted(weights.items()))} if weights else {}),
     }
     darts_section(out)
@@ -162,10 +164,10 @@ def darts_section(config: Mapping[str, Any] | PretrainedConfig) -> dict[str, Any
             f"config.json's darts section needs positive integers {(*_SIZES, 'hidden_size')}: "
             f"{_HINT}"
         )
-    if darts.get("prefix") != PREFIX:
+    if darts.get("prefix") != TENSOR_PREFIX:
         raise ValueError(
             f"config.json's darts.prefix {darts.get('prefix')!r} is not the tensor name prefix "
-            f"{PREFIX!r}: {_HINT}"
+            f"{TENSOR_PREFIX!r}: {_HINT}"
         )
     weights = darts.get("weights", {})  # absent in exports made before it was recorded
     if not isinstance(weights, dict) or not all(
@@ -368,16 +370,16 @@ class _DartsModelMixin:
         before it logs its report: the surgery would otherwise be left uninitialised (NaN logits).
         """
         super()._adjust_missing_and_unexpected_keys(loading_info)  # type: ignore[misc]
-        missing = {k for k in loading_info.missing_keys if k.startswith(PREFIX)}
-        mismatched = {k for k in loading_info.mismatched_keys if k[0].startswith(PREFIX)}
-        unexpected = {k for k in loading_info.unexpected_keys if k.startswith(PREFIX)}
+        missing = {k for k in loading_info.missing_keys if k.startswith(TENSOR_PREFIX)}
+        mismatched = {k for k in loading_info.mismatched_keys if k[0].startswith(TENSOR_PREFIX)}
+        unexpected = {k for k in loading_info.unexpected_keys if k.startswith(TENSOR_PREFIX)}
         if missing or mismatched or unexpected:
             loading_info.missing_keys -= missing  # the one line below says it all
             loading_info.mismatched_keys -= mismatched
             loading_info.unexpected_keys -= unexpected
             found = sorted(unexpected | {k[0] for k in mismatched})
             raise ValueError(
-                f"this DARTS export's {PREFIX}* tensors do not fit its config.json's "
+                f"this DARTS export's {TENSOR_PREFIX}* tensors do not fit its config.json's "
                 f"{getattr(self, SURGERY).kind} module (missing: {sorted(missing) or 'none'}; "
                 f"unexpected or misshapen: {found or 'none'}): its {SURGERY_FILE} or weight "
                 f"index is damaged; {_HINT}"
