@@ -53,6 +53,7 @@ def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str,
     from safetensors.torch import load_file
 
     from mergekit_darts import run_surgery
+    from mergekit_darts.diagnostics import read_token_ids
 
     warm_imports()
     task = block["tasks"][0]["name"]
@@ -68,8 +69,8 @@ def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str,
     folder = Path(merged) / "surgery"
     module_file = folder / entry["file"]
     params = sum(t.numel() for t in load_file(module_file).values())
-    diagnostics = load_file(folder / entry["diagnostics"])
-    n, width = diagnostics["mask"].shape
+    _, mask = read_token_ids(folder / entry["diagnostics"])
+    n, width = mask.shape
     timings = entry["timings"]
     load_merged = manifest["timings"]["load_merged_s"]
     return {
@@ -86,7 +87,7 @@ def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str,
         "memory": memory,
         "n": int(n),
         "width": int(width),
-        "tokens": int(diagnostics["mask"].sum()),
+        "tokens": int(mask.sum()),
         "hidden": int(manifest["hidden_size"]),
         "cache_bytes": cache_bytes(int(n), int(width), int(manifest["hidden_size"])),
         "params": int(params),
@@ -174,32 +175,27 @@ def bare_passes(models: tuple[Any, ...], sequences: list[list[int]], batch_size:
 
 
 def bare_adam_loop(module: Any, merged: Any, target: Any, steps: int, batch_size: int, seed: int):
-    """The floor for training: forward, ewl1, backward, Adam step on the cached tensors.
+    """The floor for training: the product's optimizer steps back to back.
 
-    Same batches in the same order as ``train_surgery``; no per-batch cropping, no checks, no
-    loss logging, no final evaluation.
+    The same batches in the same order as ``train_surgery``, each one
+    :func:`~mergekit_darts.calibrate.train.optimizer_step`; none of the loop's checks, loss
+    logging, progress bar or final evaluation.
     """
     import torch
 
-    from mergekit_darts import losses
-    from mergekit_darts.calibrate.train import epoch_batches, positions_of
+    from mergekit_darts.calibrate.train import TrainSettings, adam, epoch_batches, optimizer_step
 
+    settings = TrainSettings(steps=steps, batch_size=batch_size, seed=seed)
     device = merged.hidden.device
     module = module.to(device=device, dtype=torch.float32).train()
-    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3, betas=(0.9, 0.999))
-    positions = positions_of(merged.mask)
+    optimizer = adam(list(module.parameters()), settings)
+    counted = merged.mask.to(torch.bool)
     batches = epoch_batches(
         torch.arange(merged.hidden.shape[0]), batch_size, torch.Generator().manual_seed(seed)
     )
     for _ in range(steps):
-        rows = next(batches).to(device)
-        h_hat = module(merged.hidden[rows].float(), positions[rows])
-        loss = losses.ewl1(
-            h_hat, target.hidden[rows].float(), target.entropy[rows], merged.mask[rows]
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        batch = next(batches).to(device)
+        optimizer_step(module, optimizer, merged, target, batch, counted, settings.loss)
     return module
 
 
@@ -221,7 +217,7 @@ def phase_time_baselines(
 
     from mergekit_darts import build_module
     from mergekit_darts.calibrate.capture import capture
-    from mergekit_darts.calibrate.train import TrainSettings, evaluate, train_surgery
+    from mergekit_darts.calibrate.train import TrainSettings, measure_bias, train_surgery
 
     device, batch, repeats = settings["device"], settings["batch_size"], settings["repeats"]
     steps, pad = settings["steps"], settings["pad_id"]
@@ -265,7 +261,9 @@ def phase_time_baselines(
             )
             merged_cap, target_cap = held["merged"], held["target"]
             final_eval.append(
-                _time(lambda: evaluate(out.module, merged_cap, target_cap, merged_cap.mask), sync)
+                _time(
+                    lambda: measure_bias(out.module, merged_cap, target_cap, merged_cap.mask), sync
+                )
             )
 
         def bare(kind: str = kind) -> None:

@@ -30,10 +30,11 @@ def write_random_surgery(
     ``hf-darts`` runs its calibration-leakage check on every call, as after a real surgery.
     """
     import torch
-    from safetensors.torch import save
 
     from mergekit_darts import build_module
     from mergekit_darts.artifacts import write_surgery_folder
+    from mergekit_darts.diagnostics import diagnostics_bytes
+    from mergekit_darts.manifest import diagnostics_file
 
     module = build_module("pos_corr", hidden, rank, max_positions, seed=0)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -41,7 +42,7 @@ def write_random_surgery(
         module.up.weight.normal_(0, 0.02)
         module.position_bias.normal_(0, 0.02)
         ids = torch.randint(vocab, (calibration, max_positions))
-    diagnostics = "diagnostics/bench.safetensors"
+    diagnostics = diagnostics_file(TASK)
     entry = {
         "module": "pos_corr",
         "rank": rank,
@@ -49,7 +50,9 @@ def write_random_surgery(
         "diagnostics": diagnostics,
     }
     manifest = {"hidden_size": hidden, "vocab_size": vocab, "tasks": {TASK: entry}}
-    extra = {diagnostics: save({"input_ids": ids, "mask": torch.ones_like(ids, dtype=torch.bool)})}
+    real = torch.ones_like(ids, dtype=torch.bool)
+    zero = torch.zeros(ids.shape, dtype=torch.float32)  # no bias measured: only the ids are read
+    extra = {diagnostics: diagnostics_bytes(ids.tolist(), real, real, zero, zero)}
     return write_surgery_folder(folder, {TASK: module}, manifest, extra_files=extra)
 
 

@@ -84,7 +84,7 @@ def _train(merged_cap: Any, target_cap: Any, rank: int, settings: Any) -> tuple[
     """Seconds per training step (the final evaluation timed separately and taken off)."""
     from benchmarks.measure import clock
     from mergekit_darts import build_module
-    from mergekit_darts.calibrate.train import TrainSettings, evaluate, train_surgery
+    from mergekit_darts.calibrate.train import TrainSettings, measure_bias, train_surgery
 
     now = clock()
     hidden = merged_cap.hidden.shape[-1]
@@ -100,7 +100,7 @@ def _train(merged_cap: Any, target_cap: Any, rank: int, settings: Any) -> tuple[
         progress=False,
     )
     middle = now()
-    evaluate(result.module, merged_cap, target_cap, merged_cap.mask)
+    measure_bias(result.module, merged_cap, target_cap, merged_cap.mask)
     loop = (middle - started) - (now() - middle)
     params = sum(p.numel() for p in module.parameters())
     return max(loop, 0.0) / max(1, settings.scale_steps), params

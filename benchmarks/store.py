@@ -105,7 +105,7 @@ def sweep_overhead(settings: Any, merged: str, target: str, calib: str, workdir:
         store = CaptureStore()  # cold each round: one capture of each model per round
         for cell in cells:
             folder = workdir / "sweep" / sweep.cell_id(cell)
-            sweep.calibrate(Path(merged), folder, sweep.cell_block(base, cell), store)
+            sweep.cell_surgery(Path(merged), folder, sweep.cell_block(base, cell), store)
 
     def bare() -> None:
         grab = {}
@@ -128,7 +128,10 @@ def sweep_overhead(settings: Any, merged: str, target: str, calib: str, workdir:
                 cell["module"], hidden, settings.rank, settings.max_positions, seed=cell["seed"]
             )
             train = TrainSettings(
-                cell["loss"], settings.steps, 1e-3, settings.batch_size, cell["seed"]
+                loss=cell["loss"],
+                steps=settings.steps,
+                batch_size=settings.batch_size,
+                seed=cell["seed"],
             )
             train_surgery(
                 module,
@@ -216,7 +219,7 @@ def grid_loads(settings: Any, pair: Any, targets: list[str], calib: str, workdir
         for merge, folder in zip(merges, folders, strict=True):
             for cell in cells:
                 cell_dir = workdir / "grid" / "cells" / f"{merge.name}__{sweep.cell_id(cell)}"
-                sweep.calibrate(folder, cell_dir, sweep.cell_block(block, cell), store)
+                sweep.cell_surgery(folder, cell_dir, sweep.cell_block(block, cell), store)
     k, m = len(targets), len(merges)
     return {
         "targets": k,

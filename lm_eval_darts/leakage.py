@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval.api.instance import Instance
-from safetensors import safe_open
 
 from mergekit_darts.artifacts import read_manifest
-from mergekit_darts.routing import ROUTED
+from mergekit_darts.diagnostics import diagnostics_path, read_token_ids
+from mergekit_darts.task_map import ROUTED
 
 NGRAM = 13  # lm-eval's decontamination n-gram length
 log = logging.getLogger(__name__)
@@ -99,8 +99,7 @@ def _shared_ends(sequences: Sequence[Sequence[int]]) -> tuple[int, int]:
 
 def calibration_sequences(path: Path, drop: set[int]) -> list[list[int]]:
     """Each stored calibration sequence's real token ids, without ``drop`` (special tokens)."""
-    with safe_open(path, framework="pt") as file:
-        ids, mask = file.get_tensor("input_ids"), file.get_tensor("mask").bool()
+    ids, mask = read_token_ids(path)
     return [
         [t for t in row[keep].tolist() if t not in drop]
         for row, keep in zip(ids, mask, strict=True)
@@ -201,8 +200,8 @@ class LeakageCheck:
             grams: CalibrationGrams | None = None
             for name in names:
                 entry = manifest.tasks.get(name)
-                path = folder / entry.diagnostics if entry and entry.diagnostics else None
-                if path is None or not path.is_file():
+                path = diagnostics_path(folder, entry)
+                if path is None:
                     log.info(
                         "hf-darts: no calibration diagnostics for %r: leakage not checked", name
                     )

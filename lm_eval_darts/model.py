@@ -38,7 +38,7 @@ from mergekit_darts.errors import (
     SurgeryFormatError,
     UnsupportedModelError,
 )
-from mergekit_darts.routing import (
+from mergekit_darts.task_map import (
     AUTO,
     NONE,
     OTHER_WEIGHTS,

@@ -4,7 +4,7 @@ Data flow: merge YAML -> mergekit merge -> calibrate (capture hidden states, tra
 task) -> save into ``out/surgery`` -> load and apply at inference (lm-eval's ``hf-darts``) or
 export (transformers, vLLM). The subpackages read top-down; each imports only those above it:
 
-- ``errors``, ``fs``, ``manifest``, ``routing``: one error root, atomic writes, the file names and
+- ``errors``, ``fs``, ``manifest``, ``task_map``: one error root, atomic writes, the file names and
   typed manifest, which module serves which lm-eval task;
 - ``core``: the modules, losses, metrics and the LM head's real output path (torch only);
   ``core/correction.py``, the correction itself, imports nothing of this package and ships

@@ -44,7 +44,7 @@ from mergekit_darts.core.correction import (
     positional_names,
 )
 from mergekit_darts.errors import ModelArgsError, SurgeryFormatError, UnsupportedModelError
-from mergekit_darts.routing import NONE, ROUTED
+from mergekit_darts.task_map import NONE, ROUTED
 
 __all__ = ["Correction", "SurgeryHandle", "apply_surgery", "model_folder"]
 

@@ -32,8 +32,9 @@ from mergekit_darts.manifest import (
     SURGERY_YAML,
     Manifest,
     module_file,
+    relative_file_name,
 )
-from mergekit_darts.routing import ROUTED
+from mergekit_darts.task_map import ROUTED
 
 
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
@@ -272,8 +273,7 @@ def write_surgery_folder(
         raise ValueError("pass the router together with the manifest's router entry, or neither")
     _require_finite(folder, {**modules, **({ROUTED: router} if router else {})}, manifest)
     for name in extra_files or {}:
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise ValueError(f"extra file {name!r} must be a relative path inside the folder")
+        relative_file_name(name)
     with staged_folder(folder, replace=replace) as staging:
         for name, module in modules.items():
             file = module_file(name)

@@ -11,12 +11,12 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mergekit_darts.core.spec import ModuleSpec
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.messages import describe_error
-from mergekit_darts.routing import check_task_name
+from mergekit_darts.task_map import check_task_name
 
 BLOCK_KEY = "surgery"  # the merge YAML's key for the block
 SURGERY_DIR = "surgery"  # the folder inside a merged model
@@ -48,8 +48,17 @@ def diagnostics_file(task: str) -> str:
 def plain_file_name(name: str) -> str:
     """``name``, or ``ValueError`` unless it names a file directly inside ``surgery/``: manifests
     travel with downloaded merges, and no name in one may lead elsewhere."""
-    if PurePosixPath(name).name != name or name in (".", "..") or "\\" in name:
+    if PurePosixPath(name).name != name or name in ("", ".", "..") or "\\" in name:
         raise ValueError(f"{name!r} must be a plain file name inside surgery/")
+    return name
+
+
+def relative_file_name(name: str) -> str:
+    """``name``, or ``ValueError`` unless it names a file inside ``surgery/`` or a folder of it
+    (``diagnostics/<task>.safetensors``), for the same reason."""
+    parts = PurePosixPath(name).parts
+    if "\\" in name or name.startswith("/") or ".." in parts or not parts:
+        raise ValueError(f"{name!r} must be a relative path inside surgery/")
     return name
 
 
@@ -84,18 +93,15 @@ class TaskEntry(ModuleSpec, _Record):
     file: str | None = None  # filled in by the writer: the module's file inside surgery/
     sha256: str | None = Field(default=None, pattern=SHA256)  # of ``file``; see artifacts
 
-    @field_validator("file", "diagnostics")
+    @field_validator("file")
     @classmethod
-    def _inside_surgery(cls, name: str | None, info: ValidationInfo) -> str | None:
-        # Manifests travel with downloaded merges: a path may not point outside surgery/.
-        if name is None:
-            return None
-        parts = PurePosixPath(name).parts
-        plain = info.field_name == "file"
-        if "\\" in name or name.startswith("/") or ".." in parts or (plain and len(parts) != 1):
-            where = "a plain file name" if plain else "a relative path"
-            raise ValueError(f"{name!r} must be {where} inside surgery/")
-        return name
+    def _plain_file(cls, name: str | None) -> str | None:
+        return None if name is None else plain_file_name(name)
+
+    @field_validator("diagnostics")
+    @classmethod
+    def _inside_surgery(cls, name: str | None) -> str | None:
+        return None if name is None else relative_file_name(name)
 
     def served(self, name: str) -> list[str]:
         """The lm-eval tasks this module serves: ``eval_tasks``, or its own name."""

@@ -84,3 +84,9 @@ def short(value: Any) -> str:
 def first_line(text: str) -> str:
     """``text`` with every run of whitespace (newlines too) made one space."""
     return " ".join(text.split())
+
+
+def exponent_form(value: float) -> str:
+    """``value`` as the docs and YAML examples write a learning rate: ``1e-3``, ``2.5e-4``."""
+    mantissa, _, exponent = f"{value:e}".partition("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from mergekit_darts import build_module, load_surgery
 from mergekit_darts.artifacts import read_manifest, write_surgery_folder
 from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.manifest import plain_file_name, relative_file_name
 
 H, R, T = 12, 3, 6
 
@@ -148,3 +149,24 @@ def test_crafted_manifests_cannot_point_outside_surgery(tmp_path, edit, message)
     with pytest.raises(SurgeryFormatError, match=message) as err:
         load_surgery(folder, "math")
     assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "./a", "/a", "a\\b"])
+def test_plain_file_name_refuses_every_other_name(name):
+    with pytest.raises(ValueError, match="plain file name"):
+        plain_file_name(name)
+
+
+@pytest.mark.parametrize("name", ["", "/a", "../a", "a/../../b", "a\\b"])
+def test_extra_files_stay_inside_the_folder(tmp_path, name):
+    """The writer and the manifest share one check of where a relative name may lead."""
+    with pytest.raises(ValueError, match="relative path inside surgery/"):
+        relative_file_name(name)
+    with pytest.raises(ValueError, match="relative path inside surgery/"):
+        write_surgery_folder(
+            tmp_path / "surgery",
+            {"math": _module()},
+            {"hidden_size": H, "tasks": {"math": _entry()}},
+            extra_files={name: b"x"},
+        )
+    assert not (tmp_path / "surgery").exists()

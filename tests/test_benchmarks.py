@@ -81,3 +81,30 @@ def test_isolated_phase_runs_in_a_fresh_process():
     from benchmarks.measure import run_isolated
 
     assert run_isolated(os.getpid) != os.getpid()
+
+
+def test_bare_adam_loop_takes_the_products_steps() -> None:
+    """The floor the training loop is timed against runs the product's own steps (each batch
+    cropped to its longest row, as train_surgery does): it ends at train_surgery's weights."""
+    import torch
+
+    from benchmarks.calibration import bare_adam_loop
+    from mergekit_darts import build_module
+    from mergekit_darts.calibrate.capture import Captured
+    from mergekit_darts.calibrate.train import TrainSettings, train_surgery
+
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.arange(5) < torch.tensor([5, 2, 3, 4, 2, 3]).unsqueeze(-1)  # right-padded
+    merged = Captured(torch.randn(6, 5, 8, generator=generator), mask)
+    entropy = torch.rand(6, 5, generator=generator)
+    target = Captured(torch.randn(6, 5, 8, generator=generator), mask, entropy)
+    ours = train_surgery(
+        build_module("pos_corr", 8, 2, 5, seed=0),
+        merged,
+        target,
+        TrainSettings(steps=7, batch_size=4, seed=3),
+        progress=False,
+    ).module
+    bare = bare_adam_loop(build_module("pos_corr", 8, 2, 5, seed=0), merged, target, 7, 4, seed=3)
+    for name, value in ours.state_dict().items():
+        assert torch.equal(value, bare.state_dict()[name]), name

@@ -30,7 +30,7 @@ from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError
 from mergekit_darts.integrations.mergekit_hook import merge_with_surgery, prepare_merge_surgery
 from mergekit_darts.integrations.post_merge import run_surgery
 from mergekit_darts.manifest import Manifest
-from mergekit_darts.routing import DoubleClaim, eval_task_routes, manifest_routes
+from mergekit_darts.task_map import DoubleClaim, eval_task_routes, manifest_routes
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -463,7 +463,7 @@ def test_defaults_and_overrides():
 
 def test_block_and_manifest_share_the_routing_rule():
     """One lm-eval task, one module: the block refuses at parse time what hf-darts would refuse
-    in a manifest, through the one rule in mergekit_darts.routing."""
+    in a manifest, through the one rule in mergekit_darts.task_map."""
     claims = [("math", ["gsm8k"]), ("code", None), ("math2", ["mbpp", "gsm8k"])]
     assert eval_task_routes(claims[:2]) == {"gsm8k": "math", "code": "code"}
     with pytest.raises(DoubleClaim) as info:

@@ -189,3 +189,14 @@ def test_bfloat16_models_pass_and_a_missing_transform_fails_the_check(arch, monk
     if arch == "granite":  # as if its logits_scaling were unknown: caught despite bf16 rounding
         monkeypatch.delitem(head_module.SCALES, "granite")
         assert not capture(model, SEQUENCES, with_head=True, progress=False).head.verified
+
+
+def test_top1_is_the_argmax_over_every_chunk() -> None:
+    """More rows than one chunk: each row's top token matches a float64 argmax of its logits."""
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(50, 8, generator=generator), torch.randn(50, generator=generator)
+    head = OutputHead(weight=weight, bias=bias, scale=0.5, softcap=3.0)
+    h = torch.randn(2 * head_module.LOGIT_CHUNK + 7, 8, generator=generator)
+    logits = torch.tanh(0.5 * (h.double() @ weight.double().T + bias.double()) / 3.0) * 3.0
+    assert torch.equal(head.top1(h), logits.argmax(-1))
+    assert head.top1(h[:0]).shape == (0,)

@@ -28,7 +28,7 @@ from lm_eval_darts.model import DartsHFLM
 from mergekit_darts import SurgeryModule
 from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.errors import SurgeryFormatError
-from mergekit_darts.routing import parse_surgery_map
+from mergekit_darts.task_map import parse_surgery_map
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 MC, MC_COPY, GEN, PPL = "darts_tiny_mc", "darts_tiny_mc_copy", "darts_tiny_gen", "darts_tiny_ppl"

@@ -24,9 +24,9 @@ from transformers import AutoModelForCausalLM
 
 from mergekit_darts import apply_surgery, load_surgery, run_surgery
 from mergekit_darts.artifacts import read_manifest, write_surgery_folder
-from mergekit_darts.calibrate.store import model_identity
 from mergekit_darts.deploy.export import export
 from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.identity import cache_key as model_identity
 from mergekit_darts.identity import weights_identity
 
 HIDDEN, RANK, MAX_POSITIONS = 64, 4, 12

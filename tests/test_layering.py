@@ -50,30 +50,27 @@ def test_layer_imports_without_what_comes_after_it(package, forbidden):
 
 
 # Top-down: each layer may import itself and the layers listed before it, nothing after.
-# core/correction.py and deploy/modeling_darts.py are shipped inside exports and import nothing
-# from this package (the second imports the first relatively, through deploy/darts_correction.py),
-# so they sit with the foundations.
+# core/correction.py is shipped inside exports and imports nothing from this package, so it sits
+# with the foundations; deploy/ (the export and the other shipped file, modeling_darts.py) builds
+# on everything below it.
 LAYERS = [
     (
         "core.correction",
         "core.spec",
-        "deploy.darts_correction",
         "errors",
         "envflags",
         "fs",
         "messages",
         "manifest",
-        "routing",
-        "deploy.modeling_darts",
-        "deploy",
+        "task_map",
     ),
-    ("identity",),  # a model folder's content identity, on the shipped file's fingerprint
+    ("identity",),  # a model folder's content identity and cache key
     ("core", "losses", "metrics"),
     ("config",),
-    ("artifacts", "apply"),
+    ("artifacts", "apply", "diagnostics"),
     ("calibrate",),
     ("integrations",),
-    ("deploy.export", "vllm_plugin"),
+    ("deploy", "vllm_plugin"),
     ("analysis",),
     ("demo",),
     ("cli",),
@@ -116,6 +113,32 @@ def test_every_import_runs_one_way():
                 if own is not None and (_layer(t) or 0) > own
             ]
     assert not upward, upward
+
+
+# Who may import deploy/: the vLLM plugin serves exported folders (it reads their format from
+# modeling_darts.py) and the CLI runs the export; nothing else, so no layer below or beside
+# the export depends on what an exported folder ships.
+DEPLOY_USERS = ("mergekit_darts.deploy", "mergekit_darts.vllm_plugin", "mergekit_darts.cli")
+
+
+def test_only_the_plugin_and_the_cli_import_deploy():
+    """Lazy imports inside functions count too."""
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for package in ("mergekit_darts", "lm_eval_darts"):
+        for path in sorted((root / package).rglob("*.py")):
+            module = ".".join(path.relative_to(root).with_suffix("").parts)
+            if module.startswith(DEPLOY_USERS):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                found += [f"{module} imports {n}" for n in names if n.startswith(DEPLOY_USERS[0])]
+    assert not found, found
 
 
 def test_lm_eval_darts_builds_on_the_core_never_the_reverse():

@@ -149,6 +149,14 @@ def test_rho_from_deltas_matches_reference_for_torch_and_numpy():
     assert metrics.rho_from_deltas(before * 0, after, mask) is None
 
 
+def test_rho_from_sums_is_eq_7_on_totals():
+    from mergekit_darts.core.metrics import rho_from_sums
+
+    before = torch.tensor(3.0, dtype=torch.float64)
+    assert rho_from_sums(before, torch.tensor(1.25, dtype=torch.float64)) == 1 - 1.25 / 3.0
+    assert rho_from_sums(0.0, 1.0) is None
+
+
 def test_masked_minus_inf_logits_are_probability_zero_not_nan():
     """Entropy and KL with -inf logits against a float64 sum over the finite tokens only."""
     from mergekit_darts.core.metrics import token_entropy, token_kl

@@ -17,7 +17,7 @@ from mergekit_darts.artifacts import load_routed, load_surgery
 from mergekit_darts.core.modules import build_module
 from mergekit_darts.core.router import RoutedSurgery, Router
 from mergekit_darts.errors import SurgeryFormatError
-from mergekit_darts.routing import check_task_name
+from mergekit_darts.task_map import check_task_name
 
 H, RANK, MAX_POSITIONS = 16, 4, 6
 KINDS = {"code": "pos_corr", "math": "standard", "chat": "none"}

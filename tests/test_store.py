@@ -17,7 +17,8 @@ from tiny import save_model
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import run_surgery
-from mergekit_darts.calibrate.store import CaptureStore, model_identity, sequences_sha256
+from mergekit_darts.calibrate.store import CaptureStore, sequences_sha256
+from mergekit_darts.identity import cache_key as model_identity
 
 
 @pytest.fixture

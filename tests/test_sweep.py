@@ -111,8 +111,9 @@ class Counting:
 def test_sweep_completes_and_resumes_after_a_kill(spec_file, monkeypatch):
     spec = sweep.load_spec(spec_file)
     output = sweep.output_dir(spec, spec_file)
-    evaluate = Counting(sweep_cell.evaluate, fail_on=4)  # baseline + 2 cells finish, the 3rd dies
-    monkeypatch.setattr(sweep_cell, "evaluate", evaluate)
+    # baseline + 2 cells finish, the 3rd dies
+    evaluate = Counting(sweep_cell.score_surgery, fail_on=4)
+    monkeypatch.setattr(sweep_cell, "score_surgery", evaluate)
     with pytest.raises(KeyboardInterrupt):
         sweep.run_sweep(spec, output)
     finished = sorted(output.glob("cells/*/result.json"))
@@ -125,9 +126,9 @@ def test_sweep_completes_and_resumes_after_a_kill(spec_file, monkeypatch):
     assert not (output / "cells" / "module-standard__loss-ewl1__seed-0" / "result.json").exists()
 
     evaluate = Counting(evaluate.fn)
-    calibrate = Counting(sweep_cell.calibrate)
-    monkeypatch.setattr(sweep_cell, "evaluate", evaluate)
-    monkeypatch.setattr(sweep_cell, "calibrate", calibrate)
+    calibrate = Counting(sweep_cell.cell_surgery)
+    monkeypatch.setattr(sweep_cell, "score_surgery", evaluate)
+    monkeypatch.setattr(sweep_cell, "cell_surgery", calibrate)
     run = CliRunner().invoke(sweep_command, [str(spec_file)])
     assert run.exit_code == 0, run.output
     assert evaluate.calls == 6 and calibrate.calls == 6  # only the 6 unfinished surgery cells
@@ -182,8 +183,8 @@ def test_a_cell_is_redone_when_its_merge_target_or_calibration_changes(
     data["grid"] = {"seed": [0]}
     path = tmp_path / "sweep.yml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    calibrate = Counting(sweep_cell.calibrate)
-    monkeypatch.setattr(sweep_cell, "calibrate", calibrate)
+    calibrate = Counting(sweep_cell.cell_surgery)
+    monkeypatch.setattr(sweep_cell, "cell_surgery", calibrate)
 
     def run() -> dict:
         (record,) = sweep.run_sweep(sweep.load_spec(path), tmp_path / "out")

@@ -22,7 +22,7 @@ import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mergekit_darts.deploy import modeling_darts
-from mergekit_darts.vllm_plugin.config import DartsConfig, darts_section
+from mergekit_darts.vllm_plugin.config import VllmDartsConfig, darts_section
 
 ROOT = Path(__file__).parents[1]
 DARTS = {
@@ -62,9 +62,9 @@ def test_entry_point_imports_nothing_heavy_until_vllm_calls_it() -> None:
 
 
 def test_darts_config_is_the_base_config_plus_the_darts_section() -> None:
-    # what AutoConfig calls once the plugin has registered DartsConfig for "darts" (not done
+    # what AutoConfig calls once the plugin has registered VllmDartsConfig for "darts" (not done
     # here: the registration would outlive this test and change how other tests' exports load)
-    config = DartsConfig.from_dict(exported_config())
+    config = VllmDartsConfig.from_dict(exported_config())
     assert isinstance(config, LlamaConfig) and type(config).__name__ == "DartsLlamaConfig"
     assert (config.hidden_size, config.num_attention_heads, config.vocab_size) == (64, 4, 50)
     assert config.darts == DARTS and config.model_type == "darts"
@@ -92,7 +92,7 @@ def test_a_routed_and_a_none_config_read_as_a_single_one_does() -> None:
     for key in ("task", "module", "rank", "max_positions"):
         del config["darts"][key]
     config["darts"].update(copy.deepcopy(ROUTED))
-    loaded = DartsConfig.from_dict(config)
+    loaded = VllmDartsConfig.from_dict(config)
     assert type(loaded).__name__ == "DartsLlamaConfig" and loaded.darts == config["darts"]
     again = pickle.loads(pickle.dumps(loaded))
     assert again.to_dict() == loaded.to_dict()
@@ -108,7 +108,7 @@ def test_a_routed_and_a_none_config_read_as_a_single_one_does() -> None:
     assert surgery.router.weight.shape == (3, 64)  # two tasks and the background class
     none = exported_config()
     none["darts"]["module"] = "none"
-    assert dict(modeling_darts.surgery_for(DartsConfig.from_dict(none)).state_dict()) == {}
+    assert dict(modeling_darts.surgery_for(VllmDartsConfig.from_dict(none)).state_dict()) == {}
 
 
 BAD_SECTIONS = [
@@ -134,14 +134,14 @@ def test_a_bad_darts_section_gets_a_one_line_error(change: dict, message: str) -
         darts_section(config)
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match=message):
-        DartsConfig.from_dict(config)
+        VllmDartsConfig.from_dict(config)
 
 
 def test_no_darts_section_at_all() -> None:
     config = exported_config()
     del config["darts"]
     with pytest.raises(ValueError, match="mergekit-darts export"):
-        DartsConfig.from_dict(config)
+        VllmDartsConfig.from_dict(config)
 
 
 HEAVY = {"rich", "click", "pydantic", "mergekit", "lm_eval", "lm_eval_darts"}

@@ -160,10 +160,10 @@ def test_a_surgery_file_swapped_in_from_another_export_is_refused(
     too)."""
     from safetensors.torch import save_file
 
-    from mergekit_darts.deploy.modeling_darts import PREFIX, SURGERY_FILE
+    from mergekit_darts.deploy.modeling_darts import SURGERY_FILE, TENSOR_PREFIX
 
     dest = copy_export(exported, tmp_path / "dest")
-    other = {PREFIX + k: v for k, v in random_module(seed=9).state_dict().items()}
+    other = {TENSOR_PREFIX + k: v for k, v in random_module(seed=9).state_dict().items()}
     save_file(other, dest / SURGERY_FILE, metadata={"format": "pt"})
     chain = refusal(dest)
     logged = capfd.readouterr()
@@ -175,9 +175,9 @@ def test_surgery_tensors_that_do_not_fit_the_config_are_refused() -> None:
     """The check inside load_weights, on the real class, without an engine start."""
     from types import SimpleNamespace
 
-    from mergekit_darts.vllm_plugin.model import SURGERY, darts_model_class
+    from mergekit_darts.vllm_plugin.model import SURGERY, vllm_model_class
 
-    cls = darts_model_class("LlamaForCausalLM")
+    cls = vllm_model_class("LlamaForCausalLM")
     model = SimpleNamespace()
     setattr(model, SURGERY, random_module(seed=3))
     wrong_rank = {k: v for k, v in random_module(seed=3).state_dict().items()}

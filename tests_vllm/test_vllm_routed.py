@@ -72,9 +72,9 @@ def test_routed_and_none_surgery_tensors_load_and_are_checked() -> None:
     from tiny import random_module, random_router
 
     from mergekit_darts.core.correction import DartsRoutedSurgery, DartsSurgery
-    from mergekit_darts.vllm_plugin.model import SURGERY, darts_model_class
+    from mergekit_darts.vllm_plugin.model import SURGERY, vllm_model_class
 
-    cls = darts_model_class("LlamaForCausalLM")
+    cls = vllm_model_class("LlamaForCausalLM")
     tasks = [
         {"name": n, "module": k, "rank": RANK, "max_positions": MAX_POSITIONS}
         for n, k in ROUTED_KINDS.items()

@@ -24,6 +24,7 @@ from mergekit_darts.analysis import plots
 from mergekit_darts.analysis.document import Document
 from mergekit_darts.artifacts import load_surgery, read_manifest
 from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.diagnostics import diagnostics_path, read_diagnostics
 from mergekit_darts.errors import ReportError
 from mergekit_darts.fs import check_writable, write_text
 from mergekit_darts.manifest import MANIFEST, REPORT_DIR, SURGERY_YAML, Manifest, TaskEntry
@@ -74,6 +75,19 @@ def load_diagnostics(surgery_dir: Path, entry: TaskEntry) -> Diagnostics | None:
             f"{surgery_dir / name} is not a readable diagnostics file ({why}): run "
             f"`mergekit-darts report {surgery_dir.parent} --recompute`, which computes them anew"
         ) from None
+    """The diagnostics the pipeline stored for one task, or None when there are none."""
+    path = diagnostics_path(surgery_dir, entry)
+    if path is None:
+        return None
+    tensors = {k: plots.as_array(v) for k, v in read_diagnostics(path).items()}
+    mask = tensors["mask"] > 0
+    return Diagnostics(
+        delta_before=tensors["delta_before"],
+        delta_after=tensors["delta_after"],
+        mask=mask,
+        loss_mask=tensors["loss_mask"] > 0 if "loss_mask" in tensors else mask,
+        entropy=tensors.get("entropy"),
+    )
 
 
 def position_bias_norm(surgery_dir: Path, task: str, entry: TaskEntry) -> np.ndarray | None:
@@ -114,7 +128,7 @@ def recompute(merged: Path, manifest: Manifest, progress: bool) -> dict[str, Dia
     """
     from mergekit_darts.calibrate.data import load_prompts
     from mergekit_darts.calibrate.pipeline import PreparedSurgery, capture_tasks
-    from mergekit_darts.calibrate.train import evaluate
+    from mergekit_darts.calibrate.train import measure_bias
     from mergekit_darts.config import check_targets, parse_surgery, read_surgery_file, resolve_tasks
 
     surgery_dir = surgery_path(merged)
@@ -134,7 +148,7 @@ def recompute(merged: Path, manifest: Manifest, progress: bool) -> dict[str, Dia
     out = {}
     for task, cal in zip(tasks, captured.runs, strict=True):
         module = load_surgery(surgery_dir, task.name)
-        before, after, _ = evaluate(module, cal.merged, cal.target, cal.merged.mask)
+        before, after, _ = measure_bias(module, cal.merged, cal.target, cal.merged.mask)
         mask = cal.merged.mask.cpu()
         completion = cal.completion_mask
         loss_mask = mask & completion.cpu() if task.loss_positions == "completion" else mask

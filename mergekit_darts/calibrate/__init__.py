@@ -9,6 +9,7 @@ Modules, each importing only those above it:
 - ``collect``: every task's captures, from the store or from models loaded at most once.
 - ``train``: the training loop of one module; ``selection``: held-out split, metrics, choice;
   ``verdict``: the default choice, on the target's completions of the held-out prompts.
-- ``fit``: one task's train phase (holdout, select); ``write``: the ``surgery/`` folder.
+- ``fit``: one task's train phase (holdout, select); ``fit_router``: the gate of ``route:``;
+  ``write``: the ``surgery/`` folder.
 - ``pipeline``: the phases in order (``prepare_surgery``, ``capture_tasks``, ``calibrate``).
 """

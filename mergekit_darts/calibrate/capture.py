@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from mergekit_darts.config.schema import default
 from mergekit_darts.core.head import OutputHead
 from mergekit_darts.core.metrics import token_entropy
 from mergekit_darts.errors import NonFiniteCapture, UnsupportedModelError
@@ -97,7 +98,7 @@ def capture(
     model: nn.Module,
     sequences: Sequence[Sequence[int]],
     *,
-    batch_size: int = 8,
+    batch_size: int = default("batch_size"),
     with_entropy: bool = False,
     with_head: bool = False,
     cache_dtype: torch.dtype = torch.bfloat16,

@@ -24,13 +24,13 @@ from mergekit_darts.calibrate.store import (
     COMPLETIONS,
     CaptureStore,
     entry_key,
-    model_identity,
     sequences_sha256,
 )
 from mergekit_darts.config import ResolvedTask
 from mergekit_darts.core.head import OutputHead
 from mergekit_darts.core.losses import LOGIT_LOSSES
 from mergekit_darts.errors import HeadError, SurgeryRunError
+from mergekit_darts.identity import cache_key
 
 
 @dataclass
@@ -84,7 +84,7 @@ def capture_target(
     store: CaptureStore, target: str, group: list[Calibration], runtime: Runtime
 ) -> None:
     """Completions, then hidden states with entropy, of every task whose target is ``target``."""
-    identity = model_identity(target)
+    identity = cache_key(target)
     model = LazyModel(target, f"target {target}", runtime, store.stats)
     try:
         for cal in group:
@@ -103,7 +103,7 @@ def capture_merged(
     """The merged model's hidden states on every task's sequences (its logits are never needed)."""
     model = LazyModel(merged, f"the merged model {merged}", runtime, store.stats)
     try:
-        identity = model_identity(merged)
+        identity = cache_key(merged)
         _capture_all(store, identity, model, calibrations, runtime, "merged", with_entropy=False)
     finally:
         model.close()

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig
 
 from mergekit_darts.calibrate.capture import input_device
+from mergekit_darts.config.schema import default
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +80,7 @@ def greedy_completions(
     max_new_tokens: int,
     eos_ids: set[int],
     pad_id: int = 0,
-    batch_size: int = 8,
+    batch_size: int = default("batch_size"),
     progress: bool = True,
     desc: str = "generate",
 ) -> list[list[int]]:

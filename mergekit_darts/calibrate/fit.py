@@ -29,16 +29,19 @@ from mergekit_darts.calibrate.selection import (
 from mergekit_darts.calibrate.train import (
     TrainResult,
     TrainSettings,
-    evaluate,
     in_rows,
+    measure_bias,
     train_surgery,
 )
 from mergekit_darts.calibrate.verdict import HeldOutCompletions, completion_scores, decide, mean
 from mergekit_darts.config import OVERRIDABLE, ResolvedTask
+from mergekit_darts.config.schema import default
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.errors import HeadError, SurgeryRunError
+from mergekit_darts.messages import exponent_form
 
 LOG = logging.getLogger("mergekit_darts")
+DEFAULT_LR = exponent_form(default("lr"))  # as the docs write it, for messages
 
 
 @dataclass
@@ -114,7 +117,7 @@ def train_task(run: TaskRun, runtime: Runtime) -> None:
             module = run.result.module
         if run.held_rows is not None:
             run.held_out = _held_out_entry(run, module, saved=run.train_rows is not None)
-        before, after, _ = evaluate(run.result.module, run.merged, run.target, run.merged.mask)
+        before, after, _ = measure_bias(run.result.module, run.merged, run.target, run.merged.mask)
         run.delta_all = (before, after)
 
 
@@ -148,8 +151,8 @@ def _converged(run: TaskRun, task: ResolvedTask, result: TrainResult) -> TrainRe
         return result
     raise SurgeryRunError(
         f"surgery task {run.task.name!r}: training diverged ({reason}); lower lr (now "
-        f"{task.lr:g}, default 1e-3); the merged model and any existing surgery/ folder are "
-        "unchanged"
+        f"{task.lr:g}, default {DEFAULT_LR}); the merged model and any existing surgery/ folder "
+        "are unchanged"
     )
 
 
@@ -201,8 +204,8 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
         raise SurgeryRunError(
             f"surgery task {task.name!r}: training diverged for every select candidate "
             f"({entries[0]['diverged']}, ...); lower lr (now "
-            f"{', '.join(sorted({f'{c.lr:g}' for c in candidates}))}, default 1e-3); the merged "
-            "model and any existing surgery/ folder are unchanged"
+            f"{', '.join(sorted({f'{c.lr:g}' for c in candidates}))}, default {DEFAULT_LR}); "
+            "the merged model and any existing surgery/ folder are unchanged"
         )
     verdict = None
     if run.held_completions is None:

@@ -37,7 +37,7 @@ from mergekit_darts.calibrate.data import (
     tokenize_prompts,
 )
 from mergekit_darts.calibrate.fit import TaskRun, require_completion_tokens, train_task
-from mergekit_darts.calibrate.route import FittedRouter, fit_router, route_classes
+from mergekit_darts.calibrate.fit_router import FittedRouter, fit_router, route_classes
 from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer, stage
 from mergekit_darts.calibrate.selection import holdout_split
 from mergekit_darts.calibrate.store import CaptureStore, check_cache_dir

@@ -20,8 +20,8 @@ import torch
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.train import positions_of
 from mergekit_darts.config import holdout_count
-from mergekit_darts.core.head import LOGIT_CHUNK
-from mergekit_darts.core.metrics import delta, rho_from_deltas, token_kl
+from mergekit_darts.core.head import logit_chunks
+from mergekit_darts.core.metrics import delta, rho_from_sums, token_kl
 from mergekit_darts.core.modules import SurgeryModule
 
 METRIC_BEST = {"agreement": max, "kl": min, "rho_l1": max}  # how each selection metric ranks
@@ -87,8 +87,7 @@ def held_out_metrics(
         sums[4] += delta(h, h_star).sum().double()
         sums[5] += delta(h_hat, h_star).sum().double()
         if with_logits:
-            for chunk in range(0, h.shape[0], LOGIT_CHUNK):
-                part = slice(chunk, chunk + LOGIT_CHUNK)
+            for part in logit_chunks(h.shape[0]):
                 target_logits = target.head.logits(h_star[part])
                 best = target_logits.argmax(-1)
                 for i, x in enumerate((h[part], h_hat[part])):
@@ -97,7 +96,7 @@ def held_out_metrics(
                     sums[2 + i] += token_kl(target_logits, logits).sum().double()
     if tokens == 0:
         raise ValueError("no held-out token to measure on")
-    rho = rho_from_deltas(sums[4:5], sums[5:6], torch.tensor([True]))
+    rho = rho_from_sums(sums[4], sums[5])
     if not with_logits:
         return HeldOut(tokens, rho)
     agree, kl = (sums[:2] / tokens).tolist(), (sums[2:4] / tokens).tolist()

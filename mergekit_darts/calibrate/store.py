@@ -12,10 +12,8 @@ caught too. An entry that fails any check on reading (header, checksum, shapes, 
 not finite) is recomputed and overwritten, never used. The disk store is optional: a write that
 fails (a full disk) is one warning, and the run goes on with its captures in memory.
 
-Weight files are identified by (name, size, mtime_ns, ctime_ns, inode), the way make and
-ccache's direct mode trust file metadata, because hashing 14 GB of a 7B checkpoint would take
-longer than loading it; every other file of the folder (config, tokenizer, generation config) is
-hashed by content. Which model is loaded when is :mod:`mergekit_darts.calibrate.collect`'s job.
+A model is keyed by :func:`mergekit_darts.identity.cache_key` (weight files by their metadata,
+the rest by content). Which model is loaded when is :mod:`mergekit_darts.calibrate.collect`'s job.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.core.head import OutputHead
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.fs import atomic_file
-from mergekit_darts.identity import WEIGHT_SUFFIXES
-from mergekit_darts.manifest import RECIPE
+from mergekit_darts.identity import cache_key
 
 FORMAT = "darts-capture-store"
 STORE_VERSION = 1
@@ -51,32 +48,6 @@ LOG = logging.getLogger("mergekit_darts")
 
 
 # ---- what determines a capture -------------------------------------------------------------------
-
-
-def model_identity(ref: str) -> str:
-    """A key for the model at ``ref``: a local folder's files, or the Hub id itself.
-
-    The model card, the merge recipe (``mergekit_config.yml``), ``surgery/`` and hidden files are
-    left out: writing a surgery into a merged folder (which records its block in the recipe) must
-    not make its captures look stale.
-    """
-    folder = Path(ref)
-    if not folder.is_dir():
-        return "hub:" + ref  # disk entries need a local folder (see CaptureStore)
-    digest = hashlib.sha256()
-    for path in sorted(folder.iterdir()):
-        if path.name.startswith(".") or path.suffix == ".md" or path.name == RECIPE:
-            continue  # not the model: the card and recipe are rewritten by surgery itself
-        if not path.is_file():
-            continue
-        digest.update(path.name.encode() + b"\0")
-        if path.suffix in WEIGHT_SUFFIXES:
-            st = path.stat()
-            digest.update(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}".encode())
-        else:
-            digest.update(hashlib.sha256(path.read_bytes()).digest())
-        digest.update(b"\0")
-    return "local:" + digest.hexdigest()
 
 
 def sequences_sha256(sequences: Sequence[Sequence[int]]) -> str:
@@ -260,7 +231,7 @@ class CaptureStore:
 
     def forget(self, model: str) -> None:
         """Free the memory held by one model's entries (its disk entries stay)."""
-        identity = model_identity(model)
+        identity = cache_key(model)
         for key in [k for k, owner in self._owner.items() if owner == identity]:
             self._captures.pop(key, None)
             self._completions.pop(key, None)

@@ -106,13 +106,33 @@ def _batch_loss(
     return getattr(losses, loss)(pred_logits, target_logits, mask)
 
 
+def adam(parameters: list[torch.nn.Parameter], settings: TrainSettings) -> torch.optim.Adam:
+    """The optimizer of every training run: Adam(0.9, 0.999) at ``settings.lr``."""
+    return torch.optim.Adam(parameters, lr=settings.lr, betas=(0.9, 0.999))
+
+
+def optimizer_step(
+    module: SurgeryModule,
+    optimizer: torch.optim.Optimizer,
+    merged: Captured,
+    target: Captured,
+    batch: torch.Tensor,
+    counted: torch.Tensor,
+    loss: str,
+) -> torch.Tensor:
+    """One step of :func:`train_surgery` on the sequences ``batch``: forward, ``loss`` over its
+    ``counted`` tokens, backward, update. Returns the loss (before the update)."""
+    value = _batch_loss(module, merged, target, batch, counted, loss)
+    optimizer.zero_grad(set_to_none=True)
+    value.backward()
+    optimizer.step()
+    return value
+
+
 def epoch_batches(
     rows: torch.Tensor, batch_size: int, generator: torch.Generator
 ) -> Iterator[torch.Tensor]:
-    """Endless seeded shuffles of ``rows``, cut into batches (the last of an epoch may be short).
-
-    Public because the benchmark's bare training loop must draw the very same batches.
-    """
+    """Endless seeded shuffles of ``rows``, cut into batches (the last of an epoch may be short)."""
     while True:
         order = rows[torch.randperm(rows.numel(), generator=generator)]
         yield from order.split(batch_size)
@@ -167,22 +187,18 @@ def train_surgery(
     steps = settings.steps if trainable else 0
     if not trainable:
         curve.append(loss_start)
-    optimizer = torch.optim.Adam(trainable, lr=settings.lr, betas=(0.9, 0.999)) if steps else None
-    generator = torch.Generator().manual_seed(settings.seed)
-    batches = epoch_batches(rows, settings.batch_size, generator)
+    optimizer = adam(trainable, settings) if steps else None
+    batches = epoch_batches(rows, settings.batch_size, torch.Generator().manual_seed(settings.seed))
     for _ in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
         batch = next(batches).to(device)
         if not counted[batch].any():
             continue
-        loss = _batch_loss(module, merged, target, batch, counted, settings.loss)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss = optimizer_step(module, optimizer, merged, target, batch, counted, settings.loss)
         curve.append(loss.item())
     seconds = time.perf_counter() - start
     module.eval()
     loss_end = dataset_loss(module, merged, target, rows, counted, settings)
-    before, after, rho = evaluate(module, merged, target, counted)
+    before, after, rho = measure_bias(module, merged, target, counted)
     return TrainResult(module, curve, rho, before, after, seconds, loss_start, loss_end)
 
 
@@ -206,7 +222,7 @@ def dataset_loss(
 
 
 @torch.no_grad()
-def evaluate(
+def measure_bias(
     module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Per-token bias before / after the module, and rho_L1, over the counted tokens."""

@@ -35,8 +35,7 @@ import torch
 
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.train import positions_of
-from mergekit_darts.core.head import LOGIT_CHUNK
-from mergekit_darts.core.metrics import delta
+from mergekit_darts.core.metrics import delta, rho_from_sums
 from mergekit_darts.core.modules import SurgeryModule
 
 NAMES = {
@@ -44,7 +43,7 @@ NAMES = {
     "completion_agreement": "completion agreement",
     "completion_rho_l1": "completion ρ_L1",
 }
-END = -1  # the reference at a position that predicts the end of the completion
+END_OF_COMPLETION = -1  # the reference at a position that predicts the end of the completion
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,9 @@ class HeldOutCompletions:
 
     merged: Captured
     target: Captured
-    reference: torch.Tensor  # [N, T] long: the next token at a predicting position (or END)
+    reference: (
+        torch.Tensor
+    )  # [N, T] long: the next token at a predicting position (or END_OF_COMPLETION)
     predicting: torch.Tensor  # [N, T] bool: the positions that predict the completion
     eos_ids: frozenset[int]  # the merged model's end-of-sequence ids
 
@@ -65,10 +66,10 @@ def completion_reference(
 
     Position ``p - 1 + j`` predicts completion token ``j``; a completion shorter than
     ``max_tokens`` ended with an end-of-sequence token, which position ``p - 1 + c`` predicts
-    (its reference is :data:`END`: any end-of-sequence id ends the merge's completion too).
+    (its reference is :data:`END_OF_COMPLETION`: any end-of-sequence id ends the merge's completion too).
     """
     width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-    reference = torch.full((len(prompts), width), END, dtype=torch.long)
+    reference = torch.full((len(prompts), width), END_OF_COMPLETION, dtype=torch.long)
     predicting = torch.zeros((len(prompts), width), dtype=torch.bool)
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         start, count = len(prompt) - 1, len(completion)
@@ -96,19 +97,16 @@ def completion_scores(
         h_star = held.target.hidden[row][keep].to(torch.float32)
         h_hat = module(h, positions_of(held.merged.mask[row : row + 1])[0][keep])
         before, after = delta(h, h_star).double().sum(), delta(h_hat, h_star).double().sum()
-        scores["completion_rho_l1"].append(None if before == 0 else float(1 - after / before))
+        scores["completion_rho_l1"].append(rho_from_sums(before, after))
         if not with_logits:
             scores["completion_match"].append(None)
             scores["completion_agreement"].append(None)
             continue
-        reference = held.reference[row].to(device)[keep]
-        agree = 0
-        for chunk in range(0, h.shape[0], LOGIT_CHUNK):
-            part = slice(chunk, chunk + LOGIT_CHUNK)
-            top1 = head.logits(h_hat[part]).argmax(-1)
-            wanted = reference[part]
-            hits = torch.where(wanted == END, torch.isin(top1, eos), top1 == wanted)
-            agree += int(hits.sum())
+        wanted = held.reference[row].to(device)[keep]
+        top1 = head.top1(h_hat).to(device)
+        agree = int(
+            torch.where(wanted == END_OF_COMPLETION, torch.isin(top1, eos), top1 == wanted).sum()
+        )
         scores["completion_agreement"].append(agree / h.shape[0])
         scores["completion_match"].append(float(agree == h.shape[0]))
     return scores

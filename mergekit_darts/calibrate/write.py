@@ -19,18 +19,26 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import save as safetensors_bytes
 
 from mergekit_darts.artifacts import read_manifest, write_surgery_folder
 from mergekit_darts.calibrate.continuation import tokens_sha256
 from mergekit_darts.calibrate.data import Prompts
 from mergekit_darts.calibrate.fit import TaskRun, settings_of
-from mergekit_darts.calibrate.route import FittedRouter
+from mergekit_darts.calibrate.fit_router import FittedRouter
 from mergekit_darts.config import CalibrationConfig, SurgeryConfig, model_shape
 from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.diagnostics import diagnostics_bytes
 from mergekit_darts.errors import SurgeryRunError
 from mergekit_darts.identity import weights_identity
-from mergekit_darts.manifest import BLOCK_KEY, SURGERY_YAML, Manifest, diagnostics_file, surgery_dir
+from mergekit_darts.manifest import (
+    BLOCK_KEY,
+    SURGERY_YAML,
+    Manifest,
+    RouterEntry,
+    TaskEntry,
+    diagnostics_file,
+    surgery_dir,
+)
 
 LOSS_CURVE_POINTS = 200  # the manifest keeps at most this many points of each loss curve
 
@@ -69,23 +77,22 @@ def write_surgery(
         )
     trust = config.trust_remote_code
     shape = model_shape(str(merged), f"merged model {merged}", trust_remote_code=trust)
-    manifest: dict[str, Any] = {
-        "hidden_size": runs[0].merged.hidden.shape[-1],
-        "vocab_size": shape.vocab_size,
-        "config": SURGERY_YAML,
-        "device": device,
-        "cache_dtype": config.cache_dtype,
-        "versions": _versions(),
-        "timings": {
+    manifest = Manifest(
+        hidden_size=runs[0].merged.hidden.shape[-1],
+        vocab_size=shape.vocab_size,
+        config=SURGERY_YAML,
+        device=device,
+        cache_dtype=config.cache_dtype,
+        versions=_versions(),
+        timings={
             "load_merged_s": round(load_merged_s, 3),
             "total_s": round(time.perf_counter() - started, 3),
         },
-        "captures": captures,  # model loads, and captures computed or taken from the store
-        "merged_identity": identity,  # loaders refuse other weights
-        "tasks": {run.task.name: _task_entry(run) for run in runs},
-    }
-    if router is not None:
-        manifest["router"] = router.entry
+        captures=captures,  # model loads, and captures computed or taken from the store
+        merged_identity=identity,  # loaders refuse other weights
+        tasks={run.task.name: _task_entry(run) for run in runs},
+        router=None if router is None else RouterEntry.model_validate(router.entry),
+    )
     dumped = yaml.safe_dump({BLOCK_KEY: dict(block)}, sort_keys=False)
     extra = {SURGERY_YAML: dumped.encode("utf-8")}
     extra |= {diagnostics_file(run.task.name): _diagnostics(run) for run in runs}
@@ -131,21 +138,25 @@ def calibration_record(
     }
 
 
-def _task_entry(run: TaskRun) -> dict[str, Any]:
+def _task_entry(run: TaskRun) -> TaskEntry:
     task, result = run.task, run.result
     cal = task.calibration
     counted = run.trained(run.loss_mask())
-    entry: dict[str, Any] = {
+    calibration = calibration_record(
+        cal,
+        run.prompts,
+        [len(ids) for ids in run.prompt_ids],
+        continuation_tokens=cal.continuation_tokens,
+    )
+    if run.completions is not None:
+        calibration["completion_tokens"] = [len(c) for c in run.completions]
+        calibration["completion_sha256"] = [tokens_sha256(c) for c in run.completions]
+    return TaskEntry(
         **settings_of(task),
-        "target": task.target,
-        "eval_tasks": list(task.eval_tasks),
-        "calibration": calibration_record(
-            cal,
-            run.prompts,
-            [len(ids) for ids in run.prompt_ids],
-            continuation_tokens=cal.continuation_tokens,
-        ),
-        "metrics": {
+        target=task.target,
+        eval_tasks=list(task.eval_tasks),
+        calibration=calibration,
+        metrics={
             "rho_l1": result.rho_l1,
             "delta_before": _mean(result.delta_before, counted),
             "delta_after": _mean(result.delta_after, counted),
@@ -154,17 +165,11 @@ def _task_entry(run: TaskRun) -> dict[str, Any]:
             **_position_metrics(run),
             **_curve(result.loss_curve),
         },
-        "timings": {name: round(seconds, 3) for name, seconds in run.timings.items()},
-        "diagnostics": diagnostics_file(task.name),
-    }
-    if run.completions is not None:
-        entry["calibration"]["completion_tokens"] = [len(c) for c in run.completions]
-        entry["calibration"]["completion_sha256"] = [tokens_sha256(c) for c in run.completions]
-    if run.held_out is not None:
-        entry["held_out"] = run.held_out
-    if run.selection is not None:
-        entry["selection"] = run.selection
-    return entry
+        timings={name: round(seconds, 3) for name, seconds in run.timings.items()},
+        diagnostics=diagnostics_file(task.name),
+        held_out=run.held_out,
+        selection=run.selection,
+    )
 
 
 def _position_metrics(run: TaskRun) -> dict[str, float | None]:
@@ -181,23 +186,16 @@ def _position_metrics(run: TaskRun) -> dict[str, float | None]:
 def _diagnostics(run: TaskRun) -> bytes:
     """Per-token bias before/after (the paper's Figure 1 heat map) without recomputing anything."""
     before, after = run.delta_all
-    real = run.merged.mask.cpu()
-    ids = torch.zeros(real.shape, dtype=torch.int64)
-    for row, seq in enumerate(run.sequences):
-        ids[row, : len(seq)] = torch.as_tensor(seq)
-    tensors = {
-        "input_ids": ids,
-        "mask": real.clone(),
-        "loss_mask": run.loss_mask().clone(),
-        "delta_before": before.contiguous(),
-        "delta_after": after.contiguous(),
-    }
-    if run.completion_mask is not None:
-        tensors["completion_mask"] = run.completion_mask.contiguous()
-    if run.target.entropy is not None:
-        tensors["entropy"] = run.target.entropy.cpu().contiguous()
-    # One metadata key: safetensors orders several at random, and the bytes must be reproducible.
-    return safetensors_bytes(tensors, metadata={"format": "darts-surgery-diagnostics"})
+    entropy = run.target.entropy
+    return diagnostics_bytes(
+        run.sequences,
+        run.merged.mask.cpu(),
+        run.loss_mask(),
+        before,
+        after,
+        completion_mask=run.completion_mask,
+        entropy=None if entropy is None else entropy.cpu(),
+    )
 
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.manifest import BLOCK_KEY
 from mergekit_darts.messages import describe_error, first_line
-from mergekit_darts.routing import DoubleClaim, eval_task_routes
+from mergekit_darts.task_map import DoubleClaim, eval_task_routes
 
 # Prompt tokens a calibration row needs: the first position is the BOS token for most tokenizers,
 # the same hidden state in every prompt, so a row needs at least one token after it to teach the

@@ -25,8 +25,10 @@ from typing import Any
 from mergekit_darts.config.resolve import ResolvedTask
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig
 from mergekit_darts.core.losses import LOGIT_LOSSES
+from mergekit_darts.core.spec import DEFAULT_RANK
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.fs import check_writable
+from mergekit_darts.identity import cache_key
 from mergekit_darts.manifest import surgery_dir
 from mergekit_darts.messages import first_line
 
@@ -218,7 +220,8 @@ def _check_rank(task: ResolvedTask, hidden_size: int | None, reference_label: st
         key = f"{task.select_key}.candidates[{number}].rank" if own else task.source_key("rank")
         raise SurgeryConfigError(
             f"{key}: rank {candidate.rank} exceeds the hidden size {hidden_size} of the "
-            f"{reference_label}; a low-rank correction needs rank <= hidden_size (default 16)"
+            f"{reference_label}; a low-rank correction needs rank <= hidden_size "
+            f"(default {DEFAULT_RANK})"
         )
 
 
@@ -379,15 +382,12 @@ _VOCABS: dict[Any, Any] = {}
 
 
 def by_files(cache: dict[Any, Any], ref: str, trust_remote_code: bool, make: Any) -> Any:
-    """``make()``, cached under the (name, size, mtime_ns) of ``ref``'s files.
+    """``make()``, cached under ``ref``'s :func:`~mergekit_darts.identity.cache_key`.
 
-    A sweep checks and tokenizes with the same models in every cell, each cell's model folder
-    linking the same files: they are read once, and again as soon as a file changes.
+    A sweep checks and tokenizes with the same models in every cell: they are read once, and
+    again as soon as a file changes.
     """
-    folder = Path(ref)
-    files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
-    stamp = tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files) or ref
-    key = (stamp, trust_remote_code)
+    key = (cache_key(ref), trust_remote_code)
     if key not in cache:
         if len(cache) >= 16:
             cache.clear()

@@ -29,7 +29,7 @@ from mergekit_darts.core.spec import (
     ModuleKind,
     PositiveInt,
 )
-from mergekit_darts.routing import check_task_name
+from mergekit_darts.task_map import check_task_name
 
 CALIBRATION_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
 
@@ -214,7 +214,7 @@ class SurgeryConfig(StrictBlock):
     cache_dir: str | None = None  # capture store on disk (calibrate.store); off by default
     holdout: Fraction | None = None
     select: SelectOrOff = None  # none: the default selection, unless module or loss is set
-    route: RouteConfig | None = None  # one gate over the tasks (calibrate.route)
+    route: RouteConfig | None = None  # one gate over the tasks (calibrate.fit_router)
     tasks: list[TaskConfig] = Field(min_length=1)
 
 

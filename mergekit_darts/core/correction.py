@@ -1,4 +1,5 @@
-"""The DARTS correction, written once: module math, router, position rule, float32 step.
+"""The DARTS correction, written once: module math, router, position rule, float32 step, and
+the fingerprint of the weight files it belongs to.
 
 Every surgery module maps the merged model's final hidden state ``h`` [..., H] (the LM head's
 input) and each token's absolute position ``p`` [...] (0 = its sequence's first real token, -1 =
@@ -17,8 +18,12 @@ installed.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import math
+import os
+import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -440,3 +445,66 @@ def corrected_head_input(
     kept = None if positions is None else head_positions(positions, logits_to_keep, h).to(where)
     with torch.autocast(h.device.type, enabled=False):
         return surgery(h.to(where), kept).to(h.device)
+
+
+# ---- the weights a correction belongs to -------------------------------------------------------------
+# A module corrects the hidden states of the weights it was calibrated on, and of no others. Both the
+# package's content identity of a model folder (``mergekit_darts.identity``) and an exported folder's
+# check of its weight files (``modeling_darts.check_weights``) fingerprint files with this one
+# function, which lives here because both the package and an export (where this file is shipped)
+# run it.
+
+SAMPLE_BYTES = 256  # bytes read at each sampled offset
+SAMPLES_PER_TENSOR = 4  # evenly spaced over each tensor's data, first and last bytes included
+SAMPLES_PER_FILE = 4096  # a weight file that is not safetensors: evenly spaced over the file
+
+
+def weights_fingerprint(path: str | os.PathLike[str]) -> str:
+    """sha256 of a weight file's size, its safetensors header and a few bytes of every tensor.
+
+    Content, not metadata (mtime, inode), so every copy of a file has the same fingerprint; and
+    cheap: about a thousand small reads for a 7B checkpoint, where hashing every byte would take
+    as long as loading it. A different merge changes (nearly) every byte of the tensors it
+    changes, so it cannot pass; a deliberate edit of unsampled bytes could, which is not what this
+    guards against.
+    """
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(f"{size}\0".encode())
+    with open(path, "rb") as handle:
+        spans = _safetensors_spans(handle, size, digest)
+        count = SAMPLES_PER_TENSOR
+        if spans is None:  # not safetensors
+            spans, count = [(0, size)], SAMPLES_PER_FILE
+        for start, end in spans:
+            for offset in _sample_offsets(start, end, count):
+                handle.seek(offset)
+                digest.update(handle.read(min(SAMPLE_BYTES, end - offset)))
+    return digest.hexdigest()
+
+
+def _safetensors_spans(handle: Any, size: int, digest: Any) -> list[tuple[int, int]] | None:
+    """Each tensor's data (start, end) in the file, its header hashed into ``digest``; None when
+    the file is not safetensors."""
+    try:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > size - 8:
+            return None
+        raw = handle.read(length)
+        header = json.loads(raw)
+        spans = sorted(
+            (8 + length + info["data_offsets"][0], 8 + length + info["data_offsets"][1])
+            for name, info in header.items()
+            if name != "__metadata__"
+        )
+    except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    digest.update(raw)
+    return spans
+
+
+def _sample_offsets(start: int, end: int, count: int) -> list[int]:
+    """Where to read ``SAMPLE_BYTES`` in [start, end): all of it if small, else ``count`` spots."""
+    if end - start <= count * SAMPLE_BYTES:
+        return list(range(start, end, SAMPLE_BYTES))
+    last = end - SAMPLE_BYTES
+    return [start + (last - start) * i // (count - 1) for i in range(count)]

@@ -47,6 +47,11 @@ HALF_TOLERANCE = 2e-2
 LOGIT_CHUNK = 256  # positions per chunk in the metrics: float32 temporaries are [256, V]
 
 
+def logit_chunks(positions: int) -> list[slice]:
+    """``LOGIT_CHUNK`` positions at a time over ``positions``: an [N, V] tensor never exists."""
+    return [slice(start, start + LOGIT_CHUNK) for start in range(0, positions, LOGIT_CHUNK)]
+
+
 @dataclass
 class OutputHead:
     """``logits(h) = softcap(scale * (h @ weight.T + bias))``, in float32."""
@@ -96,6 +101,14 @@ class OutputHead:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    @torch.no_grad()
+    def top1(self, h: torch.Tensor) -> torch.Tensor:
+        """The argmax token of ``logits(h)`` for each row of ``h`` [P, H], chunk by chunk."""
+        out = torch.empty(h.shape[0], dtype=torch.long, device=self.weight.device)
+        for part in logit_chunks(h.shape[0]):
+            out[part] = self.logits(h[part]).argmax(-1)
+        return out
 
     @torch.no_grad()
     def verify(self, h: torch.Tensor, model_logits: torch.Tensor, mask: torch.Tensor) -> bool:

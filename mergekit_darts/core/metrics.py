@@ -48,5 +48,10 @@ def rho_l1(
 
 def rho_from_deltas(before: Any, after: Any, mask: Any) -> float | None:
     """rho_L1 from stored per-token deltas (torch or numpy, [N, T]); None when nothing to remove."""
-    total = before[mask].sum()
-    return None if total == 0 else float(1 - after[mask].sum() / total)
+    return rho_from_sums(before[mask].sum(), after[mask].sum())
+
+
+def rho_from_sums(before: Any, after: Any) -> float | None:
+    """rho_L1 from the sums of delta before and after over the counted tokens (eq. 7); None when
+    nothing was there to remove."""
+    return None if before == 0 else float(1 - after / before)

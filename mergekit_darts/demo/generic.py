@@ -53,7 +53,7 @@ def logit_shift(merged: Path, prompts_file: Path, tasks: Sequence[str]) -> dict[
 
     from mergekit_darts.apply import apply_surgery
     from mergekit_darts.manifest import surgery_dir
-    from mergekit_darts.routing import ROUTED
+    from mergekit_darts.task_map import ROUTED
 
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(merged)

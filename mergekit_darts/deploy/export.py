@@ -42,8 +42,8 @@ from mergekit_darts.deploy import LINKS, modeling_darts
 from mergekit_darts.deploy.modeling_darts import (
     CORRECTION_FILE,
     MODEL_TYPE,
-    PREFIX,
     SURGERY_FILE,
+    TENSOR_PREFIX,
     export_config,
     weights_fingerprint,
 )
@@ -57,7 +57,7 @@ from mergekit_darts.identity import (
 )
 from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS
 from mergekit_darts.manifest import RECIPE, surgery_dir
-from mergekit_darts.routing import ROUTED
+from mergekit_darts.task_map import ROUTED
 
 MODELING_FILE = Path(modeling_darts.__file__)
 # the shipped file, and the correction it imports relatively under the name it imports
@@ -206,9 +206,9 @@ def _weight_map(out: Path) -> dict[str, str]:
             f"{out} {found}: export reads safetensors weights only "
             "(re-run the merge with mergekit's default --safe-serialization)"
         )
-    clash = [name for name in weight_map if name.startswith(PREFIX)]
+    clash = [name for name in weight_map if name.startswith(TENSOR_PREFIX)]
     if clash:
-        raise ExportError(f"{out} already has tensors named {PREFIX}*: {clash[0]}")
+        raise ExportError(f"{out} already has tensors named {TENSOR_PREFIX}*: {clash[0]}")
     return weight_map
 
 
@@ -267,7 +267,8 @@ def _write_folder(
         ):
             shutil.copyfile(file, folder / file.name)
     tensors = {
-        PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()
+        TENSOR_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous()
+        for k, v in state.items()
     }
     weight_map = {name: renamed.get(file, file) for name, file in source.weight_map.items()}
     if tensors:  # a `none` module has no tensors: no surgery file, the index lists the merge's

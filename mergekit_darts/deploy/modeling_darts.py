@@ -11,7 +11,7 @@ The correction itself (modules, router, position rule, float32 step) is ``darts_
 shipped next to this file: mergekit-darts' own ``core/correction.py``, copied verbatim, the code
 its training, ``apply_surgery`` and vLLM plugin run too. This file adds the export format
 (``config.json``'s ``darts`` section: ``export_config`` writes it, ``darts_section`` checks it),
-the fingerprint of the weights the surgery belongs to, and the transformers classes:
+the check of the weights the surgery belongs to, and the transformers classes:
 ``DartsConfig`` and ``DartsForCausalLM`` build, once per base class, a subclass of transformers'
 own config and causal-LM classes (named in ``config.darts``) that adds the ``darts_surgery``
 module and a forward pre-hook on the output embedding, so head bias, logit scaling and
@@ -23,11 +23,8 @@ is not installed).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import re
-import struct
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -47,6 +44,7 @@ from .darts_correction import (
     enter_call,
     leave_call,
     positional_names,
+    weights_fingerprint,
 )
 
 # ---- the export format ------------------------------------------------------------------------------
@@ -54,7 +52,9 @@ from .darts_correction import (
 MODEL_TYPE = "darts"  # config.json's model_type: plain transformers refuses it without this file
 FORMAT, VERSION = "darts-export", 1  # config.json's darts.format and darts.version
 ARCHITECTURE_PREFIX = "Darts"  # config.json's architectures: Darts<base architecture>
-PREFIX = SURGERY + "."  # so the checkpoint's names of the surgery tensors are the attribute's
+TENSOR_PREFIX = (
+    SURGERY + "."
+)  # so the checkpoint's names of the surgery tensors are the attribute's
 SURGERY_FILE = "darts_surgery.safetensors"  # the surgery tensors, listed in the weight index
 CORRECTION_FILE = "darts_correction.py"  # the sibling imported below, shipped next to this file
 AUTO_MAP = {
@@ -107,7 +107,7 @@ def export_config(
         "base_architecture": config["architectures"][0],
         **what,
         "hidden_size": hidden_size,
-        "prefix": PREFIX,
+        "prefix": TENSOR_PREFIX,
         **({"weights": dict(sorted(weights.items()))} if weights else {}),
     }
     darts_section(out)
@@ -164,10 +164,10 @@ def darts_section(config: Mapping[str, Any] | PretrainedConfig) -> dict[str, Any
             f"config.json's darts section needs positive integers {(*_SIZES, 'hidden_size')}: "
             f"{_HINT}"
         )
-    if darts.get("prefix") != PREFIX:
+    if darts.get("prefix") != TENSOR_PREFIX:
         raise ValueError(
             f"config.json's darts.prefix {darts.get('prefix')!r} is not the tensor name prefix "
-            f"{PREFIX!r}: {_HINT}"
+            f"{TENSOR_PREFIX!r}: {_HINT}"
         )
     weights = darts.get("weights", {})  # absent in exports made before it was recorded
     if not isinstance(weights, dict) or not all(
@@ -227,61 +227,6 @@ def _check_routed(darts: Mapping[str, Any]) -> None:
 # A surgery module corrects the weights it was calibrated on, and no others. An export's weights are
 # symlinks, hardlinks or copies of its merge's files, so a merge redone in place changes a linked
 # export under it: the export records each weight file's fingerprint and refuses to load another.
-
-SAMPLE_BYTES = 256  # bytes read at each sampled offset
-SAMPLES_PER_TENSOR = 4  # evenly spaced over each tensor's data, first and last bytes included
-SAMPLES_PER_FILE = 4096  # a weight file that is not safetensors: evenly spaced over the file
-
-
-def weights_fingerprint(path: str | os.PathLike[str]) -> str:
-    """sha256 of a weight file's size, its safetensors header and a few bytes of every tensor.
-
-    Content, not metadata (mtime, inode), so every copy of a file has the same fingerprint; and
-    cheap: about a thousand small reads for a 7B checkpoint, where hashing every byte would take
-    as long as loading it. A different merge changes (nearly) every byte of the tensors it
-    changes, so it cannot pass; a deliberate edit of unsampled bytes could, which is not what this
-    guards against.
-    """
-    size = os.path.getsize(path)
-    digest = hashlib.sha256(f"{size}\0".encode())
-    with open(path, "rb") as handle:
-        spans = _safetensors_spans(handle, size, digest)
-        count = SAMPLES_PER_TENSOR
-        if spans is None:  # not safetensors
-            spans, count = [(0, size)], SAMPLES_PER_FILE
-        for start, end in spans:
-            for offset in _sample_offsets(start, end, count):
-                handle.seek(offset)
-                digest.update(handle.read(min(SAMPLE_BYTES, end - offset)))
-    return digest.hexdigest()
-
-
-def _safetensors_spans(handle: Any, size: int, digest: Any) -> list[tuple[int, int]] | None:
-    """Each tensor's data (start, end) in the file, its header hashed into ``digest``; None when
-    the file is not safetensors."""
-    try:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        if length > size - 8:
-            return None
-        raw = handle.read(length)
-        header = json.loads(raw)
-        spans = sorted(
-            (8 + length + info["data_offsets"][0], 8 + length + info["data_offsets"][1])
-            for name, info in header.items()
-            if name != "__metadata__"
-        )
-    except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return None
-    digest.update(raw)
-    return spans
-
-
-def _sample_offsets(start: int, end: int, count: int) -> list[int]:
-    """Where to read ``SAMPLE_BYTES`` in [start, end): all of it if small, else ``count`` spots."""
-    if end - start <= count * SAMPLE_BYTES:
-        return list(range(start, end, SAMPLE_BYTES))
-    last = end - SAMPLE_BYTES
-    return [start + (last - start) * i // (count - 1) for i in range(count)]
 
 
 def check_weights(folder: str | os.PathLike[str], darts: Mapping[str, Any]) -> None:
@@ -425,16 +370,16 @@ class _DartsModelMixin:
         before it logs its report: the surgery would otherwise be left uninitialised (NaN logits).
         """
         super()._adjust_missing_and_unexpected_keys(loading_info)  # type: ignore[misc]
-        missing = {k for k in loading_info.missing_keys if k.startswith(PREFIX)}
-        mismatched = {k for k in loading_info.mismatched_keys if k[0].startswith(PREFIX)}
-        unexpected = {k for k in loading_info.unexpected_keys if k.startswith(PREFIX)}
+        missing = {k for k in loading_info.missing_keys if k.startswith(TENSOR_PREFIX)}
+        mismatched = {k for k in loading_info.mismatched_keys if k[0].startswith(TENSOR_PREFIX)}
+        unexpected = {k for k in loading_info.unexpected_keys if k.startswith(TENSOR_PREFIX)}
         if missing or mismatched or unexpected:
             loading_info.missing_keys -= missing  # the one line below says it all
             loading_info.mismatched_keys -= mismatched
             loading_info.unexpected_keys -= unexpected
             found = sorted(unexpected | {k[0] for k in mismatched})
             raise ValueError(
-                f"this DARTS export's {PREFIX}* tensors do not fit its config.json's "
+                f"this DARTS export's {TENSOR_PREFIX}* tensors do not fit its config.json's "
                 f"{getattr(self, SURGERY).kind} module (missing: {sorted(missing) or 'none'}; "
                 f"unexpected or misshapen: {found or 'none'}): its {SURGERY_FILE} or weight "
                 f"index is damaged; {_HINT}"

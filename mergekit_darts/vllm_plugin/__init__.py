@@ -20,10 +20,11 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from mergekit_darts.deploy.modeling_darts import ARCHITECTURE_PREFIX as PREFIX
-    from mergekit_darts.vllm_plugin.config import DartsConfig
+    from mergekit_darts.deploy.modeling_darts import ARCHITECTURE_PREFIX
+    from mergekit_darts.vllm_plugin.config import VllmDartsConfig
 
-    AutoConfig.register(DartsConfig.model_type, DartsConfig, exist_ok=True)
+    AutoConfig.register(VllmDartsConfig.model_type, VllmDartsConfig, exist_ok=True)
     for arch in sorted(ModelRegistry.get_supported_archs()):
-        if not arch.startswith(PREFIX):
-            ModelRegistry.register_model(PREFIX + arch, f"{MODEL_MODULE}:{PREFIX}{arch}")
+        if not arch.startswith(ARCHITECTURE_PREFIX):
+            name = ARCHITECTURE_PREFIX + arch
+            ModelRegistry.register_model(name, f"{MODEL_MODULE}:{name}")

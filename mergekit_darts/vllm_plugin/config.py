@@ -2,7 +2,7 @@
 
 An exported ``config.json`` is the merged model's config with ``model_type: "darts"`` and a
 ``darts`` section naming the base ``model_type``, checked by the shipped file's ``darts_section``
-(so a bad section fails here as it does under transformers). :class:`DartsConfig` is registered
+(so a bad section fails here as it does under transformers). :class:`VllmDartsConfig` is registered
 for ``"darts"``; its ``from_dict`` returns an instance of a subclass of the base config class
 (built once per base class, e.g. ``DartsLlamaConfig(LlamaConfig)``), so vLLM sees every field of
 the base config plus ``darts``. The subclass keeps ``model_type = "darts"``, so transformers' own
@@ -22,7 +22,7 @@ from mergekit_darts.deploy.modeling_darts import ARCHITECTURE_PREFIX, MODEL_TYPE
 
 
 @functools.cache
-def darts_config_class(base: type[PretrainedConfig]) -> type[PretrainedConfig]:
+def vllm_config_class(base: type[PretrainedConfig]) -> type[PretrainedConfig]:
     """``Darts<Base>``: the base config class under ``model_type = "darts"``."""
     name = ARCHITECTURE_PREFIX + base.__name__
     return type(
@@ -30,7 +30,7 @@ def darts_config_class(base: type[PretrainedConfig]) -> type[PretrainedConfig]:
     )
 
 
-class DartsConfig(PretrainedConfig):
+class VllmDartsConfig(PretrainedConfig):
     """Registered for ``"darts"``; ``from_dict`` hands back the base config's Darts subclass."""
 
     model_type = MODEL_TYPE
@@ -38,7 +38,7 @@ class DartsConfig(PretrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> PretrainedConfig:
         base = CONFIG_MAPPING[darts_section(config_dict)["base_model_type"]]
-        return darts_config_class(base).from_dict(config_dict, **kwargs)
+        return vllm_config_class(base).from_dict(config_dict, **kwargs)
 
 
 def __getattr__(name: str) -> type[PretrainedConfig]:
@@ -51,5 +51,5 @@ def __getattr__(name: str) -> type[PretrainedConfig]:
         else None
     )
     if isinstance(base, type) and issubclass(base, PretrainedConfig):
-        return darts_config_class(base)
+        return vllm_config_class(base)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,8 +35,8 @@ from vllm.sequence import IntermediateTensors
 from mergekit_darts.core.correction import Correction, StateMismatch, load_state
 from mergekit_darts.deploy.modeling_darts import (
     ARCHITECTURE_PREFIX,
-    PREFIX,
     SURGERY,
+    TENSOR_PREFIX,
     check_weights,
     darts_section,
     surgery_for,
@@ -85,8 +85,8 @@ class _DartsMixin(nn.Module):
 
         def base_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                if name.startswith(PREFIX):
-                    surgery[name.removeprefix(PREFIX)] = tensor
+                if name.startswith(TENSOR_PREFIX):
+                    surgery[name.removeprefix(TENSOR_PREFIX)] = tensor
                 else:
                     yield name, tensor
 
@@ -100,7 +100,7 @@ class _DartsMixin(nn.Module):
             load_state(module, tensors)
         except StateMismatch as err:
             raise SurgeryFormatError(
-                f"the checkpoint's {PREFIX}* tensors {err.found} do not match the {module.kind} "
+                f"the checkpoint's {TENSOR_PREFIX}* tensors {err.found} do not match the {module.kind} "
                 f"module its config.json describes {err.expected}: re-export with "
                 "`mergekit-darts export`"
             ) from None
@@ -138,7 +138,7 @@ class _TransformersBackendMixin(nn.Module):
 
 
 @functools.cache
-def darts_model_class(arch: str) -> type[nn.Module]:
+def vllm_model_class(arch: str) -> type[nn.Module]:
     """``Darts<arch>``: a subclass of the class vLLM registers for ``arch``."""
     if arch not in ModelRegistry.get_supported_archs():
         raise UnsupportedModelError(f"vLLM has no model class for architecture {arch!r}")
@@ -158,5 +158,5 @@ def darts_model_class(arch: str) -> type[nn.Module]:
 
 def __getattr__(name: str) -> type[nn.Module]:
     if name.startswith(ARCHITECTURE_PREFIX) and len(name) > len(ARCHITECTURE_PREFIX):
-        return darts_model_class(name.removeprefix(ARCHITECTURE_PREFIX))
+        return vllm_model_class(name.removeprefix(ARCHITECTURE_PREFIX))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

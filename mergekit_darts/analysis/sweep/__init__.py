@@ -16,7 +16,7 @@ with mergekit first and the grid runs on every merge, the targets captured once 
 Read in this order: ``spec`` (``sweep.yml``), ``cell`` (one cell: block, fingerprint, surgery,
 lm-eval score, record), ``merges`` (the merge grid), ``run`` (orchestration), ``tables``
 (results files). The names below are re-exported; to replace a step in a test, patch it where
-it is called (``cell.evaluate``, ``cell.calibrate``), not here.
+it is called (``cell.score_surgery``, ``cell.cell_surgery``), not here.
 """
 
 from mergekit_darts.analysis.sweep.cell import (
@@ -24,14 +24,14 @@ from mergekit_darts.analysis.sweep.cell import (
     MERGE,
     RESULT,
     EvalModel,
-    calibrate,
     cell_block,
     cell_id,
+    cell_surgery,
     cells,
-    evaluate,
     fingerprint,
     load_cell,
     rho_of,
+    score_surgery,
     scores_of,
 )
 from mergekit_darts.analysis.sweep.merges import Merge, locate_merges, make_merge
@@ -47,10 +47,10 @@ from mergekit_darts.analysis.sweep.spec import (
     Compare,
     EvalSpec,
     SweepSpec,
+    base_block,
     cache_dir,
     load_spec,
     output_dir,
-    surgery_block,
 )
 from mergekit_darts.analysis.sweep.tables import (
     config_rows,
@@ -72,13 +72,13 @@ __all__ = [
     "Merge",
     "SweepSpec",
     "cache_dir",
-    "calibrate",
+    "cell_surgery",
     "cell_block",
     "cell_id",
     "cells",
     "check_routes",
     "config_rows",
-    "evaluate",
+    "score_surgery",
     "fingerprint",
     "load_cell",
     "load_spec",
@@ -94,7 +94,7 @@ __all__ = [
     "run_spec_file",
     "run_sweep",
     "scores_of",
-    "surgery_block",
+    "base_block",
     "varied_axes",
     "write_results",
 ]

@@ -215,7 +215,9 @@ def cell_model_dir(merged: Path, cell_dir: Path) -> Path:
     return model
 
 
-def calibrate(merged: Path, cell_dir: Path, block: Mapping[str, Any], store: CaptureStore) -> Path:
+def cell_surgery(
+    merged: Path, cell_dir: Path, block: Mapping[str, Any], store: CaptureStore
+) -> Path:
     """Run the real post-merge step for one cell; returns its ``surgery/`` folder.
 
     The cell's model folder links the merged files, so it has the merged model's identity and
@@ -263,7 +265,7 @@ class EvalModel:
             release(resolve_device(self.spec.device))
 
 
-def evaluate(
+def score_surgery(
     model: EvalModel, surgery_path: Path | None, spec: EvalSpec, task_manager: Any
 ) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` with ``hf-darts`` (``surgery=none`` for the baseline)."""
@@ -325,7 +327,7 @@ def scores_of(results: Mapping[str, Any], spec: EvalSpec) -> dict[str, Any]:
 def rho_of(surgery_path: Path, spec: EvalSpec) -> tuple[dict[str, float], dict[str, float | None]]:
     """rho_L1 per surgery task (manifest) and of the module serving each eval task."""
     from mergekit_darts.artifacts import read_manifest
-    from mergekit_darts.routing import manifest_routes, parse_surgery_map, route
+    from mergekit_darts.task_map import manifest_routes, parse_surgery_map, route
 
     manifest = read_manifest(surgery_path)
     rho = {name: float(entry.metrics["rho_l1"]) for name, entry in manifest.tasks.items()}
@@ -368,14 +370,14 @@ def calibrate_cell(merged: Path, cell: Cell, store: CaptureStore) -> None:
     cell.folder.mkdir(parents=True, exist_ok=True)
     if cell.block is not None:
         start = time.perf_counter()
-        cell.surgery_path = calibrate(merged, cell.folder, cell.block, store)
+        cell.surgery_path = cell_surgery(merged, cell.folder, cell.block, store)
         cell.surgery_s = time.perf_counter() - start
 
 
 def evaluate_cell(spec: SweepSpec, cell: Cell, task_manager: Any, model: EvalModel) -> dict:
     """Score a calibrated cell and write its ``result.json``."""
     start = time.perf_counter()
-    results = evaluate(model, cell.surgery_path, spec.eval, task_manager)
+    results = score_surgery(model, cell.surgery_path, spec.eval, task_manager)
     record: dict[str, Any] = {
         "cell": cell_id(cell.settings),
         "settings": dict(cell.settings),

@@ -34,16 +34,16 @@ from mergekit_darts.analysis.sweep.cell import (
 from mergekit_darts.analysis.sweep.merges import Merge, locate_merges, make_merge
 from mergekit_darts.analysis.sweep.spec import (
     SweepSpec,
+    base_block,
     load_spec,
     output_dir,
-    surgery_block,
 )
 from mergekit_darts.analysis.sweep.spec import cache_dir as block_cache_dir
 from mergekit_darts.analysis.sweep.tables import write_results
 from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.config import parse_surgery
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.routing import OTHER_WEIGHTS, parse_surgery_map, route
+from mergekit_darts.task_map import OTHER_WEIGHTS, parse_surgery_map, route
 
 CELLS = "cells"  # <output>/cells/<cell id>/
 
@@ -52,7 +52,7 @@ Planned = list[tuple[dict[str, Any], dict[str, Any] | None]]
 
 def plan(spec: SweepSpec) -> Planned:
     """(settings, surgery block or None for the baseline) of every cell, all validated up front."""
-    base = surgery_block(spec)
+    base = base_block(spec)
     planned: Planned = []
     if spec.baseline:
         planned.append((dict(BASELINE), None))

@@ -159,7 +159,7 @@ def _describe(err: ValidationError) -> str:
     return describe_error(err, SweepSpec, ROOT)
 
 
-def surgery_block(spec: SweepSpec) -> dict[str, Any]:
+def base_block(spec: SweepSpec) -> dict[str, Any]:
     """The base surgery block (inline, or read from a merge YAML or block YAML file).
 
     Its ``cache_dir`` is taken out: where captures are kept changes no result, so it is no part

@@ -24,6 +24,7 @@ At H = 4096 and 50 prompts x 512 tokens per class this takes seconds (docs/surge
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -190,13 +191,12 @@ def held_out_accuracy(
     prompts = torch.zeros(k, dtype=torch.int64)
     for label, (c, held_rows) in enumerate(zip(classes, held, strict=True)):
         device = c.merged.hidden.device
-        weight, bias = router.weight.to(device), router.bias.to(device)
+        gate_of = router if router.weight.device == device else copy.deepcopy(router).to(device)
         for row in held_rows.tolist():
             keep = c.counted[row].to(device)
             if not keep.any():
                 continue
-            h = c.merged.hidden[row][keep].to(torch.float32)
-            gate = torch.softmax(torch.nn.functional.linear(h, weight, bias), dim=-1)  # [P, K']
+            gate = gate_of(c.merged.hidden[row][keep])  # [P, K']
             confusion[label] += torch.bincount(gate.argmax(-1).cpu(), minlength=k)
             right_prompts[label] += int(int(gate.mean(0).argmax()) == label)
             prompts[label] += 1

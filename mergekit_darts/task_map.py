@@ -1,4 +1,4 @@
-"""Which surgery module serves which lm-eval task: the routing rule, in one place.
+"""Which surgery module serves which lm-eval task (the task map), in one place.
 
 Each manifest task lists the lm-eval tasks it serves (``eval_tasks``, default its own name);
 ``surgery_map=gsm8k:math;humaneval:code`` overrides that. An exact name wins over glob patterns
@@ -13,11 +13,11 @@ import string
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from mergekit_darts.core.correction import ROUTED  # every task's module behind one gate
 from mergekit_darts.errors import DoubleClaim, ModelArgsError, SurgeryFormatError
 
 NONE = "none"  # no correction
 AUTO = "auto"  # one module per request, chosen by its lm-eval task
-ROUTED = "routed"  # every task's module behind the gate of ``route:`` (core.router)
 RESERVED_TASK_NAMES = (
     NONE,
     AUTO,
@@ -90,7 +90,7 @@ class _Entry(Protocol):
 
 
 class _Tasks(Protocol):
-    """What routing reads of a manifest (``manifest.Manifest``, which imports this module)."""
+    """What the task map reads of a manifest (``manifest.Manifest``, which imports this module)."""
 
     tasks: Mapping[str, _Entry]
 
