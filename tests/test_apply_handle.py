@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import random_module
+from tiny import random_modules, write_surgery
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, load_surgery
-from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.core.correction import DartsSurgery
 from mergekit_darts.errors import SurgeryFormatError
 
@@ -23,16 +22,8 @@ KINDS = {"math": "pos_corr", "code": "standard"}
 @pytest.fixture(scope="module")
 def surgery(tiny_family: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     hidden = AutoModelForCausalLM.from_pretrained(tiny_family.base).config.hidden_size
-    modules = {
-        name: random_module(kind, hidden, RANK, MAX_POSITIONS, seed=i)
-        for i, (name, kind) in enumerate(KINDS.items(), start=1)
-    }
-    tasks = {
-        name: {"module": kind, "rank": RANK, "max_positions": MAX_POSITIONS}
-        for name, kind in KINDS.items()
-    }
-    folder = tmp_path_factory.mktemp("handle") / "surgery"
-    return write_surgery_folder(folder, modules, {"hidden_size": hidden, "tasks": tasks})
+    modules = random_modules(KINDS, hidden, RANK, MAX_POSITIONS)
+    return write_surgery(tmp_path_factory.mktemp("handle") / "surgery", modules)
 
 
 @pytest.fixture()

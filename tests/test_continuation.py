@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import surgery_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import load_surgery, run_surgery
@@ -108,20 +109,16 @@ def test_bad_calls(target):
 
 
 def surgery(data: Path, target: Path, **task) -> dict:
-    calibration = {"path": str(data / "math.jsonl"), "field": "question", "max_length": 48}
-    calibration |= task.pop("calibration", {})
-    return {
-        "steps": 60,
-        "lr": 1e-2,
-        "loss": "l1",
-        "batch_size": 4,
-        "tasks": [{"name": "math", "target": str(target), "calibration": calibration, **task}],
-    }
-
-
-@pytest.fixture
-def merged_copy(tiny_merged, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+    return surgery_block(
+        target,
+        data / "math.jsonl",
+        calibration={"max_length": 48, **task.pop("calibration", {})},
+        task=task,
+        steps=60,
+        lr=1e-2,
+        loss="l1",
+        batch_size=4,
+    )
 
 
 def test_completion_loss_covers_exactly_the_completion_tokens(

@@ -7,30 +7,34 @@ here independently from the captured states.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from tiny import surgery_block
 
 from mergekit_darts import run_surgery
 from mergekit_darts.errors import SurgeryFormatError, SurgeryRunError
 
 
 def _block(tiny_family, calibration_data, **task) -> dict:
-    calibration = {
-        "path": str(calibration_data / "math.jsonl"),
-        "field": "question",
-        "max_length": 16,
-    }
-    entry = {"name": "math", "target": str(tiny_family.math), "calibration": calibration}
-    block = {"steps": 10, "batch_size": 4, "rank": 4, "max_positions": 16, "select": "off"}
-    return block | {"tasks": [entry | task]}  # the paper's recipe: one module, no selection
+    """The paper's recipe: one module, no selection."""
+    return surgery_block(
+        tiny_family.math,
+        calibration_data / "math.jsonl",
+        calibration={"max_length": 16},
+        task=task,
+        steps=10,
+        batch_size=4,
+        rank=4,
+        max_positions=16,
+        select="off",
+    )
 
 
 @pytest.fixture
-def merged(tiny_merged, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+def merged(merged_copy: Path) -> Path:
+    return merged_copy
 
 
 def _files(merged: Path) -> dict[str, bytes]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_config import merge, merge_config
+from tiny import merge, merge_config
 
 from mergekit_darts.envflags import EnvFlagError, env_flag
 

@@ -20,35 +20,29 @@ import pytest
 import tiny
 import torch
 from lm_eval import simple_evaluate
-from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
+from reference import GEN, MC, MC_COPY, PPL, instance
 from transformers import AutoModelForCausalLM
 
 from lm_eval_darts.model import DartsHFLM
 from mergekit_darts import SurgeryModule
-from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.routing import parse_surgery_map
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
-MC, MC_COPY, GEN, PPL = "darts_tiny_mc", "darts_tiny_mc_copy", "darts_tiny_gen", "darts_tiny_ppl"
 HIDDEN, RANK, MAX_POSITIONS = 64, 4, 12  # prompts run past 12 tokens: b_p = 0 there is exercised
 BIN = Path(sys.executable).parent
 NO_HOOK = {"DARTS_NO_HOOK": "1"}
 
 
-def random_module(seed: int) -> SurgeryModule:
-    """A pos_corr module with every weight random and non-zero, so the correction is visible."""
-    return tiny.random_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed)
-
-
 def write_surgery(folder: Path, eval_tasks: dict[str, list[str]], vocab_size: int) -> Path:
-    modules = {name: random_module(seed) for seed, name in enumerate(eval_tasks, start=1)}
-    tasks = {
+    """One pos_corr task per name (every weight random and non-zero, so the correction is
+    visible), routed to its lm-eval tasks."""
+    modules = tiny.random_modules(
+        dict.fromkeys(eval_tasks, "pos_corr"), HIDDEN, RANK, MAX_POSITIONS
+    )
+    entries = {
         name: {
-            "module": "pos_corr",
-            "rank": RANK,
-            "max_positions": MAX_POSITIONS,
             "loss": "ewl1",
             "steps": 0,
             "lr": 1e-3,
@@ -60,8 +54,7 @@ def write_surgery(folder: Path, eval_tasks: dict[str, list[str]], vocab_size: in
         }
         for name in eval_tasks
     }
-    manifest = {"hidden_size": HIDDEN, "vocab_size": vocab_size, "tasks": tasks}
-    return write_surgery_folder(folder, modules, manifest)
+    return tiny.write_surgery(folder, modules, entries=entries, vocab_size=vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +173,6 @@ def test_set_surgery_swaps_modules_without_reloading(
     with pytest.raises(SurgeryFormatError, match="no surgery manifest"):
         lm.set_surgery("auto", str(tmp_path))
     assert lm.surgery.mode == "none" and lm.model is model  # unchanged, never reloaded
-
-
-def instance(kind: str, args: tuple, task: str = MC, idx: int = 0) -> Instance:
-    return Instance(request_type=kind, doc={}, arguments=args, idx=idx, metadata=(task, idx, 1))
 
 
 def test_lm_eval_requests_match_reference(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from lm_eval.api.instance import Instance
+from tiny import surgery_block
 from transformers import AutoTokenizer
 
 from lm_eval_darts.leakage import LeakageCheck
@@ -27,20 +28,9 @@ WHOLE = "say the sun and the moon twice"
 
 def calibrated(merged: Path, data: Path, folder: Path, max_length: int) -> Path:
     shutil.copytree(merged, folder)
-    block = {
-        "steps": 2,
-        "tasks": [
-            {
-                "name": "math",
-                "target": str(data.parent / "math"),
-                "calibration": {
-                    "path": str(data / "math.jsonl"),
-                    "field": "question",
-                    "max_length": max_length,
-                },
-            }
-        ],
-    }
+    block = surgery_block(
+        data.parent / "math", data / "math.jsonl", calibration={"max_length": max_length}, steps=2
+    )
     run_surgery(folder, block, progress=False, write_card=False)
     return surgery_dir(folder)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from tiny import surgery_block
 
 from mergekit_darts.integrations.multimerge import local_dir
 
@@ -24,18 +24,15 @@ BIN = Path(sys.executable).parent
 
 
 def block(target: str, steps: int = 5) -> dict:
-    return {
-        "select": "off",  # one trained module per stage
-        "steps": steps,
-        "batch_size": 4,
-        "tasks": [
-            {
-                "name": target,
-                "target": f"./{target}",
-                "calibration": {"path": "data/math.jsonl", "field": "question", "max_length": 24},
-            }
-        ],
-    }
+    return surgery_block(
+        f"./{target}",
+        "data/math.jsonl",
+        name=target,
+        calibration={"max_length": 24},
+        select="off",  # one trained module per stage
+        steps=steps,
+        batch_size=4,
+    )
 
 
 def recipe(final_steps: int = 5) -> str:
@@ -75,15 +72,6 @@ def multi(workdir: Path, name: str, text: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=600,
     )
-
-
-@pytest.fixture(scope="module")
-def workdir(tiny_family, calibration_data, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("multi")
-    for name in ("base", "math", "code"):
-        (root / name).symlink_to(getattr(tiny_family, name))
-    shutil.copytree(calibration_data, root / "data")
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from lm_eval.api.instance import Instance
+from tiny import surgery_task
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_eval_darts.leakage import LeakageCheck
@@ -53,11 +54,9 @@ def write_prompts(folder: Path, seed: int = 0, count: int = 12) -> dict[str, Pat
 def routed_block(tiny_family, files: dict[str, Path], **route) -> dict:
     calibration = {"max_length": MAX_LENGTH}
     tasks = [
-        {
-            "name": name,
-            "target": str(getattr(tiny_family, name)),
-            "calibration": {"path": str(files[name]), **calibration},
-        }
+        surgery_task(
+            name, getattr(tiny_family, name), files[name], field=None, calibration=calibration
+        )
         for name in ("math", "code")
     ]
     background = {"path": str(files["general"]), **calibration}

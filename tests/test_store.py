@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import save_model
+from tiny import save_model, surgery_task
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import run_surgery
@@ -35,10 +35,10 @@ def loads(monkeypatch) -> list[str]:
 
 
 @pytest.fixture
-def family(tiny_family, tiny_merged, calibration_data, tmp_path) -> dict[str, Path]:
+def family(tiny_family, merged_copy, calibration_data, tmp_path) -> dict[str, Path]:
     """Copies of the merge and both experts (tests rewrite them) and the calibration files."""
     return {
-        "merged": Path(shutil.copytree(tiny_merged, tmp_path / "merged")),
+        "merged": merged_copy,
         "math": Path(shutil.copytree(tiny_family.math, tmp_path / "math")),
         "code": Path(shutil.copytree(tiny_family.code, tmp_path / "code")),
         "data": calibration_data,
@@ -47,15 +47,13 @@ def family(tiny_family, tiny_merged, calibration_data, tmp_path) -> dict[str, Pa
 
 def block(family: dict[str, Path], cache_dir: Path | None = None) -> dict:
     """Three tasks over two targets: math twice (l1 and ewl1, one set of prompts), code once."""
-    calibration = {"field": "question", "num_samples": 6, "max_length": 16}
+    calibration = {"num_samples": 6, "max_length": 16}
+    math, code = family["data"] / "math.jsonl", family["data"] / "code.jsonl"
     tasks = [
-        {"name": "math", "target": str(family["math"]), "loss": "l1"},
-        {"name": "math_ewl1", "target": str(family["math"]), "eval_tasks": ["m2"]},
-        {"name": "code", "target": str(family["code"]), "module": "standard"},
+        surgery_task("math", family["math"], math, calibration=calibration, loss="l1"),
+        surgery_task("math_ewl1", family["math"], math, calibration=calibration, eval_tasks=["m2"]),
+        surgery_task("code", family["code"], code, calibration=calibration, module="standard"),
     ]
-    for task in tasks:
-        source = "code" if task["name"] == "code" else "math"
-        task["calibration"] = {"path": str(family["data"] / f"{source}.jsonl"), **calibration}
     config = {"steps": 6, "batch_size": 4, "rank": 4, "max_positions": 16, "tasks": tasks}
     config["select"] = "off"  # one module per task: the capture counts below are its
     config["cache_dtype"] = "float32"

@@ -11,88 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from tiny import EVAL_TASKS
 
 from mergekit_darts.analysis import sweep
 from mergekit_darts.analysis.sweep import cell as sweep_cell
 from mergekit_darts.cli.sweep import command as sweep_command
 from mergekit_darts.errors import SurgeryConfigError
-
-EVAL_TASKS = ["sweep_a", "sweep_b"]
-ITEMS = [
-    ("question : two plus three is", ["five", "six", "seven"]),
-    ("repeat the word cat", ["cat", "dog", "red"]),
-    ("reverse red blue", ["blue red", "red blue", "green"]),
-    ("def add ( x , y ) : return", ["x plus y", "x minus y", "x times y"]),
-    ("question : nine minus four is", ["five", "four", "nine"]),
-]
-
-
-def _write_tasks(folder):
-    """Two offline multiple-choice lm-eval tasks over one local jsonl (absolute path)."""
-    folder.mkdir()
-    data = folder / "items.jsonl"
-    data.write_text(
-        "".join(json.dumps({"q": q, "choices": c, "answer": 0}) + "\n" for q, c in ITEMS)
-    )
-    for name in EVAL_TASKS:
-        config = {
-            "task": name,
-            "dataset_path": "json",
-            "dataset_kwargs": {"data_files": {"test": str(data)}},
-            "test_split": "test",
-            "output_type": "multiple_choice",
-            "doc_to_text": "{{q}}",
-            "doc_to_choice": "{{choices}}",
-            "doc_to_target": "{{answer}}",
-            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-            "metadata": {"version": 1.0},
-        }
-        (folder / f"{name}.yaml").write_text(yaml.safe_dump(config))
-
-
-@pytest.fixture(scope="module")
-def spec_file(tiny_family, tiny_merged, tmp_path_factory):
-    root = tmp_path_factory.mktemp("sweep")
-    shutil.copytree(tiny_merged, root / "merged")
-    calib = root / "calib.jsonl"
-    calib.write_text("".join(json.dumps({"text": p}) + "\n" for p in tiny_family.prompts))
-    _write_tasks(root / "tasks")
-    block = {
-        "select": "off",  # one trained module per cell
-        "rank": 4,
-        "max_positions": 16,
-        "steps": 3,
-        "lr": 1e-2,
-        "batch_size": 4,
-        "cache_dtype": "float32",
-        "tasks": [
-            {
-                "name": "math",
-                "target": str(tiny_family.math),
-                "eval_tasks": EVAL_TASKS,
-                "calibration": {"path": str(calib), "num_samples": 6, "max_length": 16},
-            }
-        ],
-    }
-    spec = {
-        "merged": str(root / "merged"),
-        "surgery": block,
-        "output": str(root / "out"),
-        "grid": {"module": ["standard", "pos_corr"], "loss": ["l1", "ewl1"], "seed": [0, 1]},
-        "eval": {
-            "tasks": EVAL_TASKS,
-            "include_path": str(root / "tasks"),
-            "include_defaults": False,
-            "limit": 4,
-            "batch_size": 4,
-            "device": "cpu",
-            "model_args": {"dtype": "float32"},
-        },
-        "compare": {"a": "module=pos_corr,loss=ewl1", "b": "module=standard,loss=l1"},
-    }
-    path = root / "sweep.yml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
 
 
 class Counting:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from reference import BAD_SECTIONS
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mergekit_darts.deploy import modeling_darts
@@ -109,20 +110,6 @@ def test_a_routed_and_a_none_config_read_as_a_single_one_does() -> None:
     none = exported_config()
     none["darts"]["module"] = "none"
     assert dict(modeling_darts.surgery_for(DartsConfig.from_dict(none)).state_dict()) == {}
-
-
-BAD_SECTIONS = [
-    ({"format": "other"}, "no 'darts-export' section"),
-    ({"version": 2}, "version 2"),
-    ({"base_model_type": "nonexistent"}, "base_model_type 'nonexistent'"),
-    ({"base_model_type": "darts"}, "base_model_type 'darts'"),
-    ({"base_architecture": None}, "no base_architecture"),
-    ({"module": "bogus"}, "darts.module 'bogus'"),
-    ({"rank": 0}, "positive integers"),
-    ({"hidden_size": "64"}, "positive integers"),
-    ({"prefix": ""}, "prefix"),
-    ({"prefix": "other."}, "prefix 'other.'"),
-]
 
 
 @pytest.mark.parametrize("change, message", BAD_SECTIONS)
