@@ -93,6 +93,7 @@ def test_repeated_prompts_are_used_once_and_reported(tmp_path, monkeypatch, capl
     )
 
 
+@pytest.mark.slow
 def test_held_out_prompts_are_never_training_prompts(tiny_family, tiny_merged, tmp_path):
     """Six records, four of them repeats: the held-out split is drawn from the distinct prompts,
     and the manifest says how many records repeated."""

@@ -14,6 +14,8 @@ from mergekit_darts.integrations.card import START, update_model_card
 from mergekit_darts.integrations.post_merge import run_surgery
 from mergekit_darts.manifest import Manifest
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 BAD_FRONT = "---\nlicense: [apache\ntags: x\n---\n# my merge\n\nwords\n"
 
 

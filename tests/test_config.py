@@ -313,6 +313,7 @@ def test_fewer_records_than_num_samples_warns_and_uses_them(
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_stock_mergekit_yaml_prints_one_line_and_writes_nothing(
     tiny_family, calibration_data, tmp_path
 ):

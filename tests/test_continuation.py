@@ -121,6 +121,7 @@ def surgery(data: Path, target: Path, **task) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_completion_loss_covers_exactly_the_completion_tokens(
     tiny_family, calibration_data, merged_copy
 ):
@@ -154,6 +155,7 @@ def test_completion_loss_covers_exactly_the_completion_tokens(
     assert diag["input_ids"][row, len(prompt) : len(prompt) + len(expected)].tolist() == expected
 
 
+@pytest.mark.slow
 def test_continuation_calibration_improves_rho_on_completion_positions(
     tiny_family, calibration_data, tmp_path, tiny_merged
 ):
@@ -194,6 +196,7 @@ def _hidden(folder: Path, sequences: list[list[int]]):
     return capture(model, sequences, cache_dtype=torch.float32, progress=False)
 
 
+@pytest.mark.slow
 def test_target_that_ends_every_completion_at_once(
     tiny_family, calibration_data, merged_copy, tmp_path
 ):

@@ -41,6 +41,7 @@ def _files(merged: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((merged / "surgery").rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("lr", "reason"),
     [(1e30, "its loss or weights became NaN or inf"), (1e12, "x the "), (1e3, "x the ")],
@@ -60,6 +61,7 @@ def test_diverged_training_stops_and_the_previous_surgery_stays(
     assert _files(merged) == good
 
 
+@pytest.mark.slow
 def test_the_cli_exits_non_zero_with_one_line(tiny_family, calibration_data, merged, tmp_path):
     from click.testing import CliRunner
 
@@ -72,6 +74,7 @@ def test_the_cli_exits_non_zero_with_one_line(tiny_family, calibration_data, mer
     assert not (merged / "surgery").exists()
 
 
+@pytest.mark.slow
 def test_divergence_compares_the_loss_over_every_training_token(
     tiny_family, calibration_data, merged
 ):
@@ -100,6 +103,7 @@ def test_divergence_compares_the_loss_over_every_training_token(
         assert (result.divergence() is not None) is diverged
 
 
+@pytest.mark.slow
 def test_a_diverging_select_candidate_is_left_out_and_recorded(
     tiny_family, calibration_data, merged, caplog
 ):

@@ -219,6 +219,7 @@ def test_tokenizer_loads_as_the_merged_one(merged: Path, exported: Path, tiny_fa
     assert ours(tiny_family.prompts)["input_ids"] == theirs(tiny_family.prompts)["input_ids"]
 
 
+@pytest.mark.slow
 def test_loads_where_mergekit_darts_is_not_installed(
     exported: Path, batch: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
@@ -255,6 +256,7 @@ def test_shipped_file_imports_only_torch_and_transformers() -> None:
     assert relative == set(SHIPPED_FILES) - {MODELING_FILE.name}
 
 
+@pytest.mark.slow
 def test_lm_eval_hf_on_the_export_equals_hf_darts(merged: Path, exported: Path) -> None:
     """The model card's ``lm_eval --model hf ... trust_remote_code=True`` gives hf-darts' answers."""
     import contextlib

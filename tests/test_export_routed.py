@@ -319,6 +319,7 @@ def test_a_none_export_serves_the_plain_merge(
         assert torch.equal(applied(**batch).logits, plain(**batch).logits)
 
 
+@pytest.mark.slow
 def test_loads_where_mergekit_darts_is_not_installed(
     routed: Any, batch: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:

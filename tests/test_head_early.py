@@ -19,6 +19,8 @@ from mergekit_darts import run_surgery
 from mergekit_darts.core import head
 from mergekit_darts.errors import SurgeryRunError
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 
 @pytest.fixture
 def forwards(monkeypatch) -> list[tuple[str, int]]:

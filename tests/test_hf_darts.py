@@ -236,6 +236,7 @@ def assert_same_up_to_float_noise(a: Any, b: Any, tol: float = 1e-5) -> None:
         assert a == b
 
 
+@pytest.mark.slow
 def test_batch_size_does_not_change_results(evaluate: Callable, merged: Path) -> None:
     args = {"pretrained": str(merged), "surgery": "math"}
     one = evaluate(args, [MC, GEN, PPL], batch_size=1)
@@ -245,6 +246,7 @@ def test_batch_size_does_not_change_results(evaluate: Callable, merged: Path) ->
         assert_same_up_to_float_noise(one[task], eight[task])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("none", [None, "none"])
 def test_surgery_none_equals_hf(evaluate: Callable, merged: Path, none: str | None) -> None:
     hf = evaluate({"pretrained": str(merged)}, [MC, GEN], model="hf")
@@ -261,6 +263,7 @@ def test_surgery_none_from_a_model_args_string(merged: Path) -> None:
     assert lm.surgery.mode == "none"
 
 
+@pytest.mark.slow
 def test_auto_and_surgery_map_route_each_task(evaluate: Callable, merged: Path) -> None:
     tasks = [MC, MC_COPY, GEN, PPL]
     math = evaluate({"pretrained": str(merged), "surgery": "math"}, [MC, GEN, PPL])
@@ -345,6 +348,7 @@ def test_missing_surgery_folder(tiny_family: Any) -> None:
         DartsHFLM(pretrained="darts-tests/no-such-model", surgery="math", device="cpu")
 
 
+@pytest.mark.slow
 def test_auto_without_module_for_a_task(evaluate: Callable, merged: Path) -> None:
     with pytest.raises(ValueError, match=r"no module for lm-eval task\(s\) darts_tiny_gen; mapped"):
         evaluate({"pretrained": str(merged), "surgery_map": f"{MC}:math"}, [MC, GEN])
@@ -471,6 +475,7 @@ def leaky_surgery(merged: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return folder
 
 
+@pytest.mark.slow
 def test_calibration_prompts_in_eval_requests_are_reported(
     evaluate: Callable, merged: Path, leaky_surgery: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -485,6 +490,7 @@ def test_calibration_prompts_in_eval_requests_are_reported(
     assert not any(MC in w for w in warnings)
 
 
+@pytest.mark.slow
 def test_no_diagnostics_no_overlap_check(
     evaluate: Callable, merged: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

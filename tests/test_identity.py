@@ -25,6 +25,8 @@ from mergekit_darts.deploy.export import export
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.identity import weights_identity
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 HIDDEN, RANK, MAX_POSITIONS = 64, 4, 12
 REDO = "was calibrated on other weights than those in"
 

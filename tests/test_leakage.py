@@ -51,11 +51,13 @@ def folders(tiny_merged, calibration_data, tmp_path_factory) -> dict[int, Path]:
     return {n: calibrated(tiny_merged, calibration_data, root / str(n), n) for n in (3, 512)}
 
 
+@pytest.mark.slow
 def test_cut_prompts_do_not_match_unrelated_requests(folders):
     assert overlaps(folders[3], UNRELATED) == 0
     assert overlaps(folders[3], [WHOLE]) == 0  # its 2-word head is no evidence either
 
 
+@pytest.mark.slow
 def test_whole_prompts_that_were_not_cut_still_match(folders):
     assert overlaps(folders[512], UNRELATED) == 0
     assert overlaps(folders[512], [WHOLE]) == 1

@@ -200,6 +200,7 @@ def absolute(surgery: dict, root: Path) -> dict:
     return block
 
 
+@pytest.mark.slow
 def test_tasks_cost_one_load_per_distinct_model_one_at_a_time(
     workdir, merged_copy, monkeypatch, capsys
 ):
@@ -229,6 +230,7 @@ def test_tasks_cost_one_load_per_distinct_model_one_at_a_time(
     assert "math_generated" in table and "ρ_L1" in table
 
 
+@pytest.mark.slow
 def test_same_config_and_seed_give_identical_bytes(workdir, tiny_merged, tmp_path):
     block = absolute(SURGERY, workdir)
     outputs = []
@@ -242,6 +244,7 @@ def test_same_config_and_seed_give_identical_bytes(workdir, tiny_merged, tmp_pat
         assert (outputs[0] / file).read_bytes() == (outputs[1] / file).read_bytes(), file
 
 
+@pytest.mark.slow
 def test_manifest_and_diagnostics(workdir, merged_copy):
     manifest = run_surgery(merged_copy, absolute(SURGERY, workdir), progress=False)
     assert set(manifest["versions"]) == {"mergekit-darts", "mergekit", "torch", "transformers"}
@@ -266,6 +269,7 @@ def test_manifest_and_diagnostics(workdir, merged_copy):
     assert diag["input_ids"].shape == diag["delta_before"].shape
 
 
+@pytest.mark.slow
 def test_failure_with_overwrite_keeps_the_old_surgery(workdir, merged_copy):
     run_surgery(merged_copy, absolute(SURGERY, workdir), progress=False)
     before = {p: p.read_bytes() for p in merged_copy.rglob("*") if p.is_file()}
@@ -278,6 +282,7 @@ def test_failure_with_overwrite_keeps_the_old_surgery(workdir, merged_copy):
     assert after == before
 
 
+@pytest.mark.slow
 def test_existing_surgery_needs_overwrite(workdir, merged_copy):
     block = absolute(SURGERY, workdir)
     run_surgery(merged_copy, block, progress=False)
@@ -320,6 +325,7 @@ def test_a_block_run_merge_was_not_given_stops_the_merge(workdir, tmp_path, monk
     refuse_unread_block(["/venv/bin/mergekit-multi", str(with_block), "--out-path", str(out)])
 
 
+@pytest.mark.slow
 def test_calibrate_with_a_new_block_updates_the_recorded_recipe(workdir, tmp_path, monkeypatch):
     """After `calibrate` with another block, mergekit_config.yml and the card's copy of it show
     the block that was run (as surgery/surgery.yml does); the merge part keeps its bytes."""
@@ -358,6 +364,7 @@ def test_calibrate_with_a_new_block_updates_the_recorded_recipe(workdir, tmp_pat
 # ---- a merge into a folder that holds a surgery of other weights ----------------------------------
 
 
+@pytest.mark.slow
 def test_stock_remerge_sets_an_old_surgery_aside(workdir, tmp_path, monkeypatch):
     """`mergekit-yaml` without a block into a folder with surgery/: the surgery of the replaced
     weights is renamed aside (reported), and put back when the merge gives the same weights."""
@@ -389,6 +396,7 @@ def test_stock_remerge_sets_an_old_surgery_aside(workdir, tmp_path, monkeypatch)
         load_surgery(aside, weights=out)
 
 
+@pytest.mark.slow
 def test_a_failure_after_the_merge_says_what_was_written(workdir, tmp_path, monkeypatch):
     """With the overwrite flag and a target that cannot load, the merge is written: the message
     says so, and where the previous surgery (of the replaced weights) went."""
@@ -417,6 +425,7 @@ def test_a_failure_after_the_merge_says_what_was_written(workdir, tmp_path, monk
     )
 
 
+@pytest.mark.slow
 def test_calibrate_does_not_invalidate_its_own_captures(workdir, tmp_path, monkeypatch):
     """`calibrate` records its block in mergekit_config.yml; the capture store's key of the merged
     model leaves that file out, so the next `calibrate --overwrite` loads no model at all."""

@@ -79,6 +79,7 @@ def merged(workdir) -> subprocess.CompletedProcess:
     return multi(workdir, "ok", recipe())
 
 
+@pytest.mark.slow
 def test_each_stage_runs_its_own_surgery(workdir, merged):
     assert merged.returncode == 0, merged.stderr[-3000:]
     for folder, task in ((workdir / "ok-inter" / "stage1", "code"), (workdir / "ok-out", "math")):
@@ -91,6 +92,7 @@ def test_each_stage_runs_its_own_surgery(workdir, merged):
     assert "./ok-inter/stage1" in readme and "huggingface.co/ok-inter" not in readme
 
 
+@pytest.mark.slow
 def test_lazy_rerun_skips_finished_stages_and_says_so(workdir, merged):
     assert merged.returncode == 0
     before = (workdir / "ok-out" / "surgery" / "math.safetensors").read_bytes()
@@ -100,6 +102,7 @@ def test_lazy_rerun_skips_finished_stages_and_says_so(workdir, merged):
     assert (workdir / "ok-out" / "surgery" / "math.safetensors").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_bad_block_in_a_later_stage_stops_before_any_merge(workdir):
     done = multi(workdir, "bad", recipe(final_steps=0))
     assert done.returncode != 0

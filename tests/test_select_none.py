@@ -17,6 +17,8 @@ from mergekit_darts import apply_surgery, load_surgery, run_surgery
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.integrations.card import print_summary
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 
 def _task(name: str, target: Path, data: Path, **settings) -> dict:
     return surgery_task(

@@ -16,6 +16,8 @@ from mergekit_darts import load_surgery, run_surgery
 from mergekit_darts.core import head
 from mergekit_darts.errors import SurgeryRunError
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 CANDIDATES = [
     {"module": "standard", "loss": "l1"},
     {"module": "pos_corr", "loss": "l1"},

@@ -66,6 +66,7 @@ def module_bytes(merged: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((merged / "surgery").glob("*.safetensors"))}
 
 
+@pytest.mark.slow
 def test_shared_target_loads_once_and_a_warm_store_loads_nothing(family, loads, tmp_path):
     cache = tmp_path / "cache"
     first = run_surgery(family["merged"], block(family, cache), progress=False)
@@ -79,6 +80,7 @@ def test_shared_target_loads_once_and_a_warm_store_loads_nothing(family, loads, 
     assert module_bytes(family["merged"]) == cold  # the store changes no number
 
 
+@pytest.mark.slow
 def test_sharing_and_the_store_change_no_byte(family, tmp_path):
     """Each task alone in its own block, no store: the same module bytes as the shared run."""
     config = block(family)
@@ -99,6 +101,7 @@ def rewrite_weights(folder: Path, seed: int) -> None:
     save_model(folder, AutoTokenizer.from_pretrained(folder), seed=seed)
 
 
+@pytest.mark.slow
 def test_changed_weights_or_tokenizer_mean_a_new_key(family, loads, tmp_path):
     cache = tmp_path / "cache"
     run_surgery(family["merged"], block(family, cache), progress=False)
@@ -121,6 +124,7 @@ def test_changed_weights_or_tokenizer_mean_a_new_key(family, loads, tmp_path):
     assert loads == ["code"]
 
 
+@pytest.mark.slow
 def test_card_and_surgery_do_not_change_a_models_key(family):
     key = model_identity(str(family["merged"]))
     run_surgery(family["merged"], block(family), progress=False)  # writes surgery/ and README.md
@@ -128,6 +132,7 @@ def test_card_and_surgery_do_not_change_a_models_key(family):
     assert model_identity("org/some-model") == "hub:org/some-model"
 
 
+@pytest.mark.slow
 def test_corrupt_or_partial_entry_is_recomputed_never_used(family, loads, tmp_path):
     cache = tmp_path / "cache"
     run_surgery(family["merged"], block(family, cache), progress=False)
@@ -169,6 +174,7 @@ def test_entry_that_does_not_fit_its_sequences_is_a_miss(tmp_path):
     assert "MiB" in store.summary() and "1 entries" in store.summary()
 
 
+@pytest.mark.slow
 def test_calibrate_cache_dir_option_overrides_the_block(family, loads, tmp_path):
     from click.testing import CliRunner
 
@@ -205,6 +211,7 @@ def _overwrite_hidden_bytes(entry: Path) -> None:
     entry.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_changed_tensor_bytes_under_an_intact_header_are_recomputed(family, loads, tmp_path):
     """Issue 20.1: bit rot or a foreign writer is caught by the entry's checksum, never trained on."""
     cache = tmp_path / "cache"
@@ -252,6 +259,7 @@ def _poison(folder: Path) -> None:
     model.save_pretrained(folder)
 
 
+@pytest.mark.slow
 def test_a_model_computing_nan_stops_with_one_line_and_keeps_surgery(family, tmp_path):
     from mergekit_darts.errors import SurgeryRunError
 
@@ -280,6 +288,7 @@ def test_cache_dtype_overflow_is_named(family):
         capture(model, [[1, 2, 3]], cache_dtype=torch.float16, progress=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_warns_and_the_run_goes_on(family, loads, tmp_path, monkeypatch, caplog):
     """Issue 20.10: the optional store failing to write is one warning, not a failed run."""
     import errno

@@ -32,6 +32,7 @@ class Counting:
         return self.fn(*args, **kwargs)
 
 
+@pytest.mark.slow
 def test_sweep_completes_and_resumes_after_a_kill(spec_file, monkeypatch):
     spec = sweep.load_spec(spec_file)
     output = sweep.output_dir(spec, spec_file)
@@ -86,6 +87,7 @@ def test_a_changed_spec_reruns_a_cell_instead_of_reusing_it(spec_file):
     assert sweep.fingerprint("m", block, {}) == sweep.fingerprint("m", dict(block), {})
 
 
+@pytest.mark.slow
 def test_a_cell_is_redone_when_its_merge_target_or_calibration_changes(
     spec_file, tiny_family, tmp_path, monkeypatch
 ):
@@ -238,6 +240,7 @@ def two_task_spec(spec_file, tiny_family, tmp_path, **changes) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_four_cells_two_tasks_cost_four_loads_and_a_warm_store_loads_no_target(
     spec_file, tiny_family, tmp_path, loads
 ):
@@ -263,6 +266,7 @@ def test_four_cells_two_tasks_cost_four_loads_and_a_warm_store_loads_no_target(
         )
 
 
+@pytest.mark.slow
 def test_swapping_modules_scores_like_a_fresh_model_per_cell(spec_file, tiny_family, tmp_path):
     """One model with its modules swapped between cells gives each cell's own fresh scores."""
     import lm_eval
@@ -318,6 +322,7 @@ def merge_yamls(tiny_family, folder) -> list[str]:
     return paths
 
 
+@pytest.mark.slow
 def test_merge_grid_captures_targets_once_and_marks_the_best_merge(
     spec_file, tiny_family, tmp_path, loads
 ):

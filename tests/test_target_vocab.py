@@ -51,6 +51,7 @@ def test_prefix_refuses_kl_and_moved_ids(tiny_family, calibration_data, extended
     assert "4 token/id pairs differ" in refuse(config, tmp_path / "b")
 
 
+@pytest.mark.slow
 def test_prefix_target_calibrates(tiny_family, calibration_data, extended, tmp_path):
     config = _with_target(
         merge_config(tiny_family, calibration_data), extended / "math_plus", target_vocab="prefix"
@@ -76,6 +77,7 @@ def _padded(config: dict) -> dict:
     return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target_vocab", ["exact", "prefix"])
 def test_padded_merged_vocabulary_calibrates(tiny_family, calibration_data, tmp_path, target_vocab):
     """mergekit pads 65 token rows to 128; every token keeps its id, so l1/ewl1 calibrate."""

@@ -5,10 +5,13 @@ check in test_target_vocab.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors import safe_open
 from tiny import build_tokenizer, merge, surgery_block
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
+
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
 
 
 def test_gpt_neox_merge_with_surgery(calibration_data, tmp_path):

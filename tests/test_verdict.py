@@ -269,6 +269,7 @@ def _teacher_forced_agreement(model, ids: list[int], completion: list[int]) -> f
     return float((mine[start:end] == wanted).double().mean())
 
 
+@pytest.mark.slow
 def test_teacher_forced_match_is_greedy_generation_with_the_saved_module(verdict_run, tiny_family):
     merged, manifest = verdict_run
     entry = manifest["tasks"]["math"]
@@ -304,6 +305,7 @@ def test_teacher_forced_match_is_greedy_generation_with_the_saved_module(verdict
     assert all(r > 0 for r in chosen["completion_rho_l1"])
 
 
+@pytest.mark.slow
 def test_the_verdict_is_one_line_in_manifest_summary_and_card(verdict_run, capsys):
     merged, manifest = verdict_run
     selection = manifest["tasks"]["math"]["selection"]

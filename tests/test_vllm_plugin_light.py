@@ -50,6 +50,7 @@ def exported_config() -> dict[str, Any]:
     return config
 
 
+@pytest.mark.slow
 def test_entry_point_imports_nothing_heavy_until_vllm_calls_it() -> None:
     entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     target = entry["vllm.general_plugins"]["mergekit-darts"]
@@ -62,6 +63,7 @@ def test_entry_point_imports_nothing_heavy_until_vllm_calls_it() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_darts_config_is_the_base_config_plus_the_darts_section() -> None:
     # what AutoConfig calls once the plugin has registered DartsConfig for "darts" (not done
     # here: the registration would outlive this test and change how other tests' exports load)
@@ -141,6 +143,7 @@ CORRECTION = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module, loaded",
     [

@@ -34,6 +34,8 @@ from mergekit_darts.calibrate import pipeline
 from mergekit_darts.errors import SurgeryRunError
 from mergekit_darts.identity import weights_identity
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 CHANGED = "changed while calibrating"
 
 
