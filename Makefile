@@ -47,6 +47,10 @@ demo-envs: install
 test: install
 	$(BIN)/python -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
+## The tests that neither train, merge nor start a process (marker `slow`): under a minute.
+test-quick: install
+	$(BIN)/python -m pytest -q -m 'not slow and not real'; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 

@@ -3,16 +3,16 @@ correction outside a forward call. Logits are checked against a float64 referenc
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tiny import random_module
+from tiny import random_modules, write_surgery
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, load_surgery
-from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.core.correction import DartsSurgery
 from mergekit_darts.errors import SurgeryFormatError
 
@@ -23,16 +23,8 @@ KINDS = {"math": "pos_corr", "code": "standard"}
 @pytest.fixture(scope="module")
 def surgery(tiny_family: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     hidden = AutoModelForCausalLM.from_pretrained(tiny_family.base).config.hidden_size
-    modules = {
-        name: random_module(kind, hidden, RANK, MAX_POSITIONS, seed=i)
-        for i, (name, kind) in enumerate(KINDS.items(), start=1)
-    }
-    tasks = {
-        name: {"module": kind, "rank": RANK, "max_positions": MAX_POSITIONS}
-        for name, kind in KINDS.items()
-    }
-    folder = tmp_path_factory.mktemp("handle") / "surgery"
-    return write_surgery_folder(folder, modules, {"hidden_size": hidden, "tasks": tasks})
+    modules = random_modules(KINDS, hidden, RANK, MAX_POSITIONS)
+    return write_surgery(tmp_path_factory.mktemp("handle") / "surgery", modules)
 
 
 @pytest.fixture()
@@ -129,3 +121,71 @@ def test_an_export_is_not_corrected_twice(model: Any, surgery: Path) -> None:
     model.darts_surgery = DartsSurgery("none", model.config.hidden_size, RANK, MAX_POSITIONS)
     with pytest.raises(ValueError, match="is a DARTS export that applies its own surgery"):
         apply_surgery(model, surgery, "math")
+
+
+# ------------------------------------------------------------------------------------------------
+# The correction follows the model it was applied to when that model changes or is copied:
+# ``resize_token_embeddings`` puts a new LM head in place of the hooked one, and ``copy.deepcopy``
+# copies the hooks along with the model. Logits are checked against the float64 reference of
+# ``test_apply_handle``.
+
+
+ADDED = 8  # rows resize_token_embeddings adds to the vocabulary
+
+
+def test_resizing_the_embeddings_keeps_the_correction(
+    model: Any,  # noqa: F811
+    ids: torch.Tensor,  # noqa: F811
+    surgery: Path,  # noqa: F811
+) -> None:
+    assert not model.config.tie_word_embeddings  # an untied head: the resize replaces it
+    expected = reference(model, ids, state(surgery, "math"))
+    plain = logits(model, ids)
+    handle = apply_surgery(model, surgery, "math")
+    before = logits(model, ids)
+    torch.testing.assert_close(before, expected, rtol=0, atol=1e-4)
+    assert (before - plain).abs().max() > 0.1  # the correction is visible
+
+    head = model.get_output_embeddings()
+    vocab = head.out_features
+    model.resize_token_embeddings(vocab + ADDED)
+    assert model.get_output_embeddings() is not head
+    after = logits(model, ids)
+    assert after.shape[-1] == vocab + ADDED
+    assert (after[:, :vocab] - before).abs().max() <= 1e-5
+    generated = model.generate(ids, max_new_tokens=3, do_sample=False)  # cached steps too
+    assert generated.shape[1] == ids.shape[1] + 3
+
+    handle.remove()  # from the new head as well: the plain model again
+    assert (logits(model, ids)[:, :vocab] - plain).abs().max() <= 1e-5
+    with torch.no_grad():  # and the discarded head no longer corrects anything
+        h = torch.randn(1, ids.shape[1], model.config.hidden_size)
+        assert torch.equal(head(h), torch.nn.functional.linear(h, head.weight))
+
+
+def test_a_copy_of_a_corrected_model_is_corrected_once(
+    model: Any,  # noqa: F811
+    ids: torch.Tensor,  # noqa: F811
+    surgery: Path,  # noqa: F811
+) -> None:
+    math, code = state(surgery, "math"), state(surgery, "code")
+    once, twice = reference(model, ids, math), reference(model, ids, math, times=2)
+    assert (once - twice).abs().max() > 1e-2  # stacking would be visible
+    expected_code = reference(model, ids, code)
+    plain = logits(model, ids)
+    handle = apply_surgery(model, surgery, "math")
+
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(logits(twin, ids), once, rtol=0, atol=1e-4)  # copied as it is
+    with pytest.warns(UserWarning, match="replaced"):
+        twin_handle = apply_surgery(twin, surgery, "math")
+    torch.testing.assert_close(logits(twin, ids), once, rtol=0, atol=1e-4)
+    twin_handle.set_task("code")
+    torch.testing.assert_close(logits(twin, ids), expected_code, rtol=0, atol=1e-4)
+    torch.testing.assert_close(logits(model, ids), once, rtol=0, atol=1e-4)  # left alone
+
+    handle.remove()
+    assert torch.equal(logits(model, ids), plain)
+    torch.testing.assert_close(logits(twin, ids), expected_code, rtol=0, atol=1e-4)
+    twin_handle.remove()
+    assert torch.equal(logits(twin, ids), plain)

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import random_module, write_surgery
 
-from mergekit_darts import build_module, load_surgery
+from mergekit_darts import load_surgery
 from mergekit_darts.artifacts import read_manifest, write_surgery_folder
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.manifest import plain_file_name, relative_file_name
@@ -17,25 +18,12 @@ H, R, T = 12, 3, 6
 
 
 def _module(kind="pos_corr", seed=0):
-    module = build_module(kind, H, R, T, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return module
-
-
-def _entry(kind="pos_corr"):
-    return {"module": kind, "rank": R, "max_positions": T, "loss": "ewl1", "eval_tasks": []}
+    return random_module(kind, H, R, T, seed, scale=1.0)
 
 
 def _write(folder, modules):
-    manifest = {
-        "hidden_size": H,
-        "vocab_size": 50,
-        "tasks": {n: _entry(m.kind) for n, m in modules.items()},
-    }
-    return write_surgery_folder(folder, modules, manifest)
+    entries = dict.fromkeys(modules, {"loss": "ewl1", "eval_tasks": []})
+    return write_surgery(folder, modules, entries=entries, vocab_size=50)
 
 
 def test_round_trip_is_bit_exact(tmp_path):
@@ -166,7 +154,18 @@ def test_extra_files_stay_inside_the_folder(tmp_path, name):
         write_surgery_folder(
             tmp_path / "surgery",
             {"math": _module()},
-            {"hidden_size": H, "tasks": {"math": _entry()}},
+            {
+                "hidden_size": H,
+                "tasks": {
+                    "math": {
+                        "module": "pos_corr",
+                        "rank": R,
+                        "max_positions": T,
+                        "loss": "ewl1",
+                        "eval_tasks": [],
+                    }
+                },
+            },
             extra_files={name: b"x"},
         )
     assert not (tmp_path / "surgery").exists()

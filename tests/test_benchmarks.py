@@ -12,6 +12,8 @@ from benchmarks import report
 from benchmarks.runner import run_all
 from benchmarks.settings import tiny_settings
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):

@@ -12,7 +12,7 @@ import json
 import logging
 
 import pytest
-from test_config import _prompts
+from tiny import surgery_block, task_prompts
 
 from mergekit_darts import run_surgery
 from mergekit_darts.calibrate.data import sha256_text
@@ -23,7 +23,7 @@ KEY = "surgery.tasks[0].calibration"
 
 def refused(tmp_path, monkeypatch, calibration: dict) -> str:
     with pytest.raises(SurgeryConfigError) as info:
-        _prompts(tmp_path, monkeypatch, calibration)
+        task_prompts(tmp_path, monkeypatch, calibration)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -51,7 +51,7 @@ def test_a_byte_order_mark_is_no_part_of_the_first_prompt(tmp_path, monkeypatch)
     (tmp_path / "bom.json").write_text('[{"text": "one two"}, {"text": "three"}]', "utf-8-sig")
     assert (tmp_path / "bom.txt").read_bytes().startswith(b"\xef\xbb\xbf")
     for name in ("plain.txt", "bom.txt", "bom.jsonl", "bom.json"):
-        texts = _prompts(tmp_path, monkeypatch, {"path": name})
+        texts = task_prompts(tmp_path, monkeypatch, {"path": name})
         assert texts == ("one two", "three"), name
         assert sha256_text(texts[0]) == sha256_text("one two")
 
@@ -85,7 +85,7 @@ def test_repeated_prompts_are_used_once_and_reported(tmp_path, monkeypatch, capl
     prompts = ["one", "two", "one", "three", "two", "one", "four"]
     (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
     with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
-        texts = _prompts(tmp_path, monkeypatch, {"path": "p.txt", "num_samples": 4})
+        texts = task_prompts(tmp_path, monkeypatch, {"path": "p.txt", "num_samples": 4})
     assert texts == ("one", "two", "three", "four")
     (warning,) = [r.getMessage() for r in caplog.records]
     assert (
@@ -93,6 +93,7 @@ def test_repeated_prompts_are_used_once_and_reported(tmp_path, monkeypatch, capl
     )
 
 
+@pytest.mark.slow
 def test_held_out_prompts_are_never_training_prompts(tiny_family, tiny_merged, tmp_path):
     """Six records, four of them repeats: the held-out split is drawn from the distinct prompts,
     and the manifest says how many records repeated."""
@@ -101,18 +102,15 @@ def test_held_out_prompts_are_never_training_prompts(tiny_family, tiny_merged, t
     merged = shutil.copytree(tiny_merged, tmp_path / "merged")
     records = [tiny_family.prompts[i] for i in (0, 1, 2, 3, 0, 1, 2, 3, 0, 1)]
     (tmp_path / "p.txt").write_text("\n".join(records) + "\n")
-    block = {
-        "steps": 2,
-        "batch_size": 2,
-        "tasks": [
-            {
-                "name": "math",
-                "target": str(tiny_family.math),
-                "holdout": 0.5,
-                "calibration": {"path": str(tmp_path / "p.txt"), "max_length": 16},
-            }
-        ],
-    }
+    block = surgery_block(
+        tiny_family.math,
+        tmp_path / "p.txt",
+        field=None,
+        calibration={"max_length": 16},
+        task={"holdout": 0.5},
+        steps=2,
+        batch_size=2,
+    )
     written = run_surgery(merged, block, progress=False)
     entry = written["tasks"]["math"]
     calibration = entry["calibration"]
@@ -134,7 +132,9 @@ def test_a_template_field_that_is_a_list_or_object_is_refused(tmp_path, monkeypa
             "a template inserts each field as text: point it at text fields"
         )
     (tmp_path / "q.jsonl").write_text(json.dumps({"q": 3}) + "\n")  # numbers are fine
-    assert _prompts(tmp_path, monkeypatch, {"path": "q.jsonl", "template": "Q: {q}"}) == ("Q: 3",)
+    assert task_prompts(tmp_path, monkeypatch, {"path": "q.jsonl", "template": "Q: {q}"}) == (
+        "Q: 3",
+    )
 
 
 def test_prompts_cut_to_one_sequence_are_reported(caplog):

@@ -68,6 +68,7 @@ def _train(merged, target, kind="pos_corr", loss="ewl1", steps=60, seed=0):
     return train_surgery(module, merged, target, settings, progress=False)
 
 
+@pytest.mark.slow
 def test_training_reduces_ewl1_and_gives_positive_rho(captured):
     _, _, merged, target = captured
     result = _train(merged, target)
@@ -77,6 +78,7 @@ def test_training_reduces_ewl1_and_gives_positive_rho(captured):
     assert result.delta_before.shape == merged.mask.shape
 
 
+@pytest.mark.slow
 def test_same_seed_same_weights_other_seed_differs(captured):
     _, _, merged, target = captured
     a = _train(merged, target, steps=20, seed=3).module.state_dict()
@@ -86,12 +88,14 @@ def test_same_seed_same_weights_other_seed_differs(captured):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["standard", "add", "parallel"])
 def test_every_module_kind_trains(captured, kind):
     _, _, merged, target = captured
     assert _train(merged, target, kind=kind, loss="l1", steps=40).rho_l1 > 0
 
 
+@pytest.mark.slow
 def test_kl_and_ce_losses_train_with_heads(tiny_family, captured):
     sequences, target_model, _, _ = captured
     base = AutoModelForCausalLM.from_pretrained(tiny_family.base, dtype=torch.float32)

@@ -8,25 +8,19 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny import surgery_block
 
 from mergekit_darts.integrations.card import START, update_model_card
 from mergekit_darts.integrations.post_merge import run_surgery
 from mergekit_darts.manifest import Manifest
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 BAD_FRONT = "---\nlicense: [apache\ntags: x\n---\n# my merge\n\nwords\n"
 
 
 def block(data: Path) -> dict:
-    return {
-        "steps": 3,
-        "tasks": [
-            {
-                "name": "math",
-                "target": str(data.parent / "math"),
-                "calibration": {"path": str(data / "math.jsonl"), "field": "question"},
-            }
-        ],
-    }
+    return surgery_block(data.parent / "math", data / "math.jsonl", steps=3)
 
 
 @pytest.fixture(scope="module")

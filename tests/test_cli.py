@@ -55,6 +55,7 @@ def run_help(*args: str) -> tuple[str, dict[str, Any]]:
     return done.stdout, json.loads(done.stderr.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", list(HELP_NAMES))
 def test_help_imports_no_heavy_library(command: str) -> None:
     text, seen = run_help(*command.split(), "--help")
@@ -64,6 +65,7 @@ def test_help_imports_no_heavy_library(command: str) -> None:
         assert name in text, (name, text)
 
 
+@pytest.mark.slow
 def test_merge_help_with_mergekit_flags_still_needs_no_mergekit() -> None:
     text, seen = run_help("merge", "--cuda", "--out-shard-size", "1B", "x.yml", "--help")
     assert seen["heavy"] == [] and "--overwrite-surgery" in text

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -15,127 +14,30 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import mergekit.merge
 import pytest
 import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
-from tiny import build_tokenizer, save_model, tiny_config
-from transformers import LlamaForCausalLM, T5Config
+from tiny import (
+    build_tokenizer,
+    change_block,
+    change_task,
+    merge_config,
+    refuse,
+    task_prompts,
+)
 
-from mergekit_darts.calibrate.data import load_prompts, tokenize_prompts
+from mergekit_darts.calibrate.data import tokenize_prompts
 from mergekit_darts.calibrate.pipeline import prepare_surgery
 from mergekit_darts.config import parse_surgery, read_surgery_file, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError
-from mergekit_darts.integrations.mergekit_hook import merge_with_surgery, prepare_merge_surgery
+from mergekit_darts.integrations.mergekit_hook import prepare_merge_surgery
 from mergekit_darts.integrations.post_merge import run_surgery
 from mergekit_darts.manifest import Manifest
 from mergekit_darts.task_map import DoubleClaim, eval_task_routes, manifest_routes
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-@pytest.fixture(scope="module")
-def odd(tiny_family, tmp_path_factory) -> Path:
-    """Models and files that must be refused: other sizes, another tokenizer, broken data."""
-    root = tmp_path_factory.mktemp("odd")
-    tokenizer = build_tokenizer()
-    save_model(root / "wide", tokenizer, seed=3, hidden_size=32)
-    LlamaForCausalLM(tiny_config(len(tokenizer) + 8)).save_pretrained(root / "bigvocab")
-    tokenizer.save_pretrained(root / "bigvocab")
-    save_model(root / "othertok", tokenizer, seed=4)
-    spec = json.loads((root / "othertok" / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    vocab["cat"], vocab["dog"] = vocab["dog"], vocab["cat"]
-    (root / "othertok" / "tokenizer.json").write_text(json.dumps(spec))
-    (root / "empty.jsonl").write_text("")
-    (root / "blank.jsonl").write_text('{"text": "  "}\n{"text": ""}\n')
-    (root / "nofield.jsonl").write_text('{"text": "one two"}\n{"prompt": "three"}\n')
-    (root / "broken.jsonl").write_text('{"text": "one"}\n{"text": \n')
-    (root / "prompts.csv").write_text("text\none two\n")
-    # an encoder-decoder of the family's hidden size and tokenizer (a config is all preflight reads)
-    T5Config(
-        vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4
-    ).save_pretrained(root / "t5")
-    tokenizer.save_pretrained(root / "t5")
-    return root
-
-
-def merge_config(family, data: Path) -> dict:
-    """A valid merge YAML (as a dict) with a two-task surgery block."""
-    return {
-        "merge_method": "task_arithmetic",
-        "base_model": str(family.base),
-        "models": [
-            {"model": str(family.math), "parameters": {"weight": 0.5}},
-            {"model": str(family.code), "parameters": {"weight": 0.5}},
-        ],
-        "dtype": "float32",
-        "surgery": {
-            "steps": 5,
-            "tasks": [
-                {
-                    "name": "math",
-                    "target": str(family.math),
-                    "calibration": {"path": str(data / "math.jsonl"), "field": "question"},
-                },
-                {
-                    "name": "code",
-                    "target": str(family.code),
-                    "calibration": {"path": str(data / "code.jsonl"), "template": "{question}"},
-                },
-            ],
-        },
-    }
-
-
-def merge(config: dict, out: Path) -> dict:
-    """Run the hook's merge path (real mergekit, then the surgery); returns the manifest."""
-    merge_with_surgery(
-        inspect.unwrap(mergekit.merge.run_merge),
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True),
-        yaml.safe_dump(config, sort_keys=False),
-    )
-    return json.loads((out / "surgery" / "manifest.json").read_text())
-
-
-def refuse(config: dict, out: Path) -> str:
-    """Run the hook's merge path with the real mergekit; it must fail before writing anything."""
-    before = sorted(p.name for p in out.iterdir()) if out.exists() else None
-    with pytest.raises(SurgeryConfigError) as info:
-        merge(config, out)
-    after = sorted(p.name for p in out.iterdir()) if out.exists() else None
-    assert after == before, "a refused surgery block must leave the output folder untouched"
-    message = str(info.value)
-    assert "\n" not in message
-    return message
-
-
-def task(index: int, **changes) -> Callable[[dict, Path], None]:
-    """A mutation updating ``surgery.tasks[index]`` (``calibration`` is merged, not replaced)."""
-
-    def mutate(config: dict, odd: Path) -> None:
-        entry = config["surgery"]["tasks"][index]
-        for key, value in changes.items():
-            value = value(odd) if callable(value) else value
-            if key == "calibration":
-                entry["calibration"].update(value)
-            elif value is None:
-                entry.pop(key)
-            else:
-                entry[key] = value
-
-    return mutate
-
-
-def block(**changes) -> Callable[[dict, Path], None]:
-    def mutate(config: dict, odd: Path) -> None:
-        config["surgery"].update(changes)
-
-    return mutate
 
 
 def t5_merge(config: dict, odd: Path) -> None:
@@ -150,189 +52,205 @@ def calibration_file(name: str) -> Callable[[Path], dict]:
 
 
 BAD_INPUTS = [
-    ("unknown key", block(rnak=16), "surgery.rnak: unknown key; allowed here: module, loss"),
+    ("unknown key", change_block(rnak=16), "surgery.rnak: unknown key; allowed here: module, loss"),
     (
         "unknown key in calibration",
-        task(0, calibration={"samples": 3}),
+        change_task(0, calibration={"samples": 3}),
         "surgery.tasks[0].calibration.samples: unknown key",
     ),
-    ("unknown module", block(module="lora"), "surgery.module: 'lora' is not allowed; choose one"),
-    ("unknown loss", task(1, loss="mse"), "surgery.tasks[1].loss: 'mse' is not allowed"),
-    ("rank zero", block(rank=0), "surgery.rank: must be > 0 (got 0)"),
-    ("negative task rank", task(0, rank=-4), "surgery.tasks[0].rank: must be > 0 (got -4)"),
-    ("rank not an int", block(rank="16"), "surgery.rank: input should be a valid integer"),
-    ("no tasks", block(tasks=[]), "surgery.tasks: must not be empty"),
-    ("target key missing", task(0, target=None), "surgery.tasks[0].target: required key"),
+    (
+        "unknown module",
+        change_block(module="lora"),
+        "surgery.module: 'lora' is not allowed; choose one",
+    ),
+    ("unknown loss", change_task(1, loss="mse"), "surgery.tasks[1].loss: 'mse' is not allowed"),
+    ("rank zero", change_block(rank=0), "surgery.rank: must be > 0 (got 0)"),
+    ("negative task rank", change_task(0, rank=-4), "surgery.tasks[0].rank: must be > 0 (got -4)"),
+    ("rank not an int", change_block(rank="16"), "surgery.rank: input should be a valid integer"),
+    ("no tasks", change_block(tasks=[]), "surgery.tasks: must not be empty"),
+    ("target key missing", change_task(0, target=None), "surgery.tasks[0].target: required key"),
     (
         "missing target folder",
-        task(1, target=lambda odd: str(odd / "nowhere")),
+        change_task(1, target=lambda odd: str(odd / "nowhere")),
         "surgery.tasks[1].target: no model folder at",
     ),
     (
         "other hidden size",
-        task(0, target=lambda odd: str(odd / "wide")),
+        change_task(0, target=lambda odd: str(odd / "wide")),
         "surgery.tasks[0].target: ",
     ),
     (
         "other vocab size under kl",  # padded rows are fine for l1/ewl1 (test_target_vocab.py)
-        task(0, target=lambda odd: str(odd / "bigvocab"), loss="kl"),
+        change_task(0, target=lambda odd: str(odd / "bigvocab"), loss="kl"),
         "surgery.tasks[0].target: ",
     ),
     (
         "other tokenizer",
-        task(1, target=lambda odd: str(odd / "othertok")),
+        change_task(1, target=lambda odd: str(odd / "othertok")),
         "surgery.tasks[1].target: the tokenizer of ",
     ),
     (
         "missing calibration file",
-        task(0, calibration=calibration_file("missing.jsonl")),
+        change_task(0, calibration=calibration_file("missing.jsonl")),
         "surgery.tasks[0].calibration.path: no file at",
     ),
     (
         "empty calibration file",
-        task(0, calibration=calibration_file("empty.jsonl")),
+        change_task(0, calibration=calibration_file("empty.jsonl")),
         "surgery.tasks[0].calibration.path: ",
     ),
     (
         "missing field in a record",
-        task(1, calibration=calibration_file("nofield.jsonl")),
+        change_task(1, calibration=calibration_file("nofield.jsonl")),
         "surgery.tasks[1].calibration.field: line 2 of ",
     ),
     (
         "template field missing",
-        task(0, calibration={"field": None, "template": "{question} {answer}"}),
+        change_task(0, calibration={"field": None, "template": "{question} {answer}"}),
         "surgery.tasks[0].calibration.template: line 1 of ",
     ),
     (
         "no usable prompt",
-        task(0, calibration=calibration_file("blank.jsonl")),
+        change_task(0, calibration=calibration_file("blank.jsonl")),
         "surgery.tasks[0].calibration: ",
     ),
     (
         "invalid json line",
-        task(0, calibration=calibration_file("broken.jsonl")),
+        change_task(0, calibration=calibration_file("broken.jsonl")),
         "surgery.tasks[0].calibration.path: line 2 of broken.jsonl is not valid JSON",
     ),
     (
         "unsupported suffix",
-        task(0, calibration=calibration_file("prompts.csv")),
+        change_task(0, calibration=calibration_file("prompts.csv")),
         "surgery.tasks[0].calibration.path: ",
     ),
     (
         "field and template",
-        task(0, calibration={"template": "{question}"}),
+        change_task(0, calibration={"template": "{question}"}),
         "surgery.tasks[0].calibration.template: give `field:` or `template:`, not both",
     ),
     (
         "two sources",
-        task(0, calibration={"dataset": "gsm8k", "split": "test"}),
+        change_task(0, calibration={"dataset": "gsm8k", "split": "test"}),
         "surgery.tasks[0].calibration: give exactly one source",
     ),
     (
         "dataset without split",
-        task(0, calibration={"path": None, "dataset": "gsm8k"}),
+        change_task(0, calibration={"path": None, "dataset": "gsm8k"}),
         "surgery.tasks[0].calibration.split: required with `dataset:`",
     ),
     (
         "max_length above max_positions",
-        task(0, calibration={"max_length": 600}),
+        change_task(0, calibration={"max_length": 600}),
         "surgery.tasks[0].calibration.max_length: 600 exceeds max_positions 512 (the position "
         "table cannot cover it); lower max_length or raise max_positions",
     ),
     (
         "max_length above a task's max_positions",
-        task(1, max_positions=16),
+        change_task(1, max_positions=16),
         "surgery.tasks[1].calibration.max_length: 512 exceeds max_positions 16",
     ),
-    ("duplicate task names", task(1, name="math"), "surgery.tasks[1].name: duplicate task name"),
-    ("reserved task name", task(0, name="auto"), "surgery.tasks[0].name: 'auto' is reserved"),
-    ("task name with comma", task(0, name="a,b"), "surgery.tasks[0].name: 'a,b' is not a valid"),
+    (
+        "duplicate task names",
+        change_task(1, name="math"),
+        "surgery.tasks[1].name: duplicate task name",
+    ),
+    (
+        "reserved task name",
+        change_task(0, name="auto"),
+        "surgery.tasks[0].name: 'auto' is reserved",
+    ),
+    (
+        "task name with comma",
+        change_task(0, name="a,b"),
+        "surgery.tasks[0].name: 'a,b' is not a valid",
+    ),
     (
         "eval task served twice",
-        task(1, eval_tasks=["humaneval", "math"]),
+        change_task(1, eval_tasks=["humaneval", "math"]),
         "surgery.tasks[1].eval_tasks: lm-eval task 'math' is already served by task 'math'",
     ),
     (
         "eval task listed twice by one task",
-        task(0, eval_tasks=["gsm8k", "gsm8k"]),
+        change_task(0, eval_tasks=["gsm8k", "gsm8k"]),
         "surgery.tasks[0].eval_tasks: lm-eval task 'gsm8k' is listed twice; list it once",
     ),
-    ("bad device", block(device="gpu"), "surgery.device: 'gpu' is not a device"),
+    ("bad device", change_block(device="gpu"), "surgery.device: 'gpu' is not a device"),
     # generation-aware calibration
     (
         "completion loss without continuation (block)",
-        block(loss_positions="completion"),
+        change_block(loss_positions="completion"),
         "surgery.loss_positions: `completion` needs surgery.tasks[0].calibration."
         "continuation_tokens > 0",
     ),
     (
         "completion loss without continuation (task)",
-        task(1, loss_positions="completion"),
+        change_task(1, loss_positions="completion"),
         "surgery.tasks[1].loss_positions: `completion` needs surgery.tasks[1].calibration."
         "continuation_tokens > 0",
     ),
     (
         "unknown loss_positions",
-        task(0, loss_positions="answer"),
+        change_task(0, loss_positions="answer"),
         "surgery.tasks[0].loss_positions: 'answer' is not allowed; choose one of all or completion",
     ),
     (
         "continuation fills max_length",
-        task(0, calibration={"continuation_tokens": 64, "max_length": 64}),
+        change_task(0, calibration={"continuation_tokens": 64, "max_length": 64}),
         "surgery.tasks[0].calibration.continuation_tokens: 64 leaves no room for the prompt",
     ),
     (
         "negative continuation",
-        task(0, calibration={"continuation_tokens": -1}),
+        change_task(0, calibration={"continuation_tokens": -1}),
         "surgery.tasks[0].calibration.continuation_tokens: must be >= 0",
     ),
     # checks that must run before the merge and end in one line, never a traceback
     ("encoder-decoder merge", t5_merge, "base model "),
     (
         "encoder-decoder target",
-        task(1, target=lambda odd: str(odd / "t5")),
+        change_task(1, target=lambda odd: str(odd / "t5")),
         "surgery.tasks[1].target: ",
     ),
     (
         "chat_template without one",
-        task(0, calibration={"chat_template": True}),
+        change_task(0, calibration={"chat_template": True}),
         "surgery.tasks[0].calibration.chat_template: the base model ",
     ),
     (
         "template with a format spec",
-        task(1, calibration={"template": "{question:d}"}),
+        change_task(1, calibration={"template": "{question:d}"}),
         "surgery.tasks[1].calibration.template: {question:d} has a format spec or conversion; use "
         "the plain placeholder {question}",
     ),
     (
         "template with a conversion",
-        task(1, calibration={"template": "Q: {question!r}"}),
+        change_task(1, calibration={"template": "Q: {question!r}"}),
         "surgery.tasks[1].calibration.template: {question!r} has a format spec",
     ),
     (
         "rank above the hidden size",
-        block(rank=1000),
+        change_block(rank=1000),
         "surgery.rank: rank 1000 exceeds the hidden size 64 of the base model ",
     ),
     (
         "task rank above the hidden size",
-        task(1, rank=65),
+        change_task(1, rank=65),
         "surgery.tasks[1].rank: rank 65 exceeds the hidden size 64",
     ),
     (
         "candidate rank above the hidden size",
-        task(0, select={"candidates": [{"rank": 4}, {"rank": 128}]}),
+        change_task(0, select={"candidates": [{"rank": 4}, {"rank": 128}]}),
         "surgery.tasks[0].select.candidates[1].rank: rank 128 exceeds the hidden size 64",
     ),
     (
         "max_length 1 keeps only BOS",
-        task(0, calibration={"max_length": 1}),
+        change_task(0, calibration={"max_length": 1}),
         "surgery.tasks[0].calibration.max_length: 1 leaves no token to train on after the first "
         "(BOS) token",
     ),
     (
         "continuation leaves only BOS for the prompt",
-        task(0, calibration={"continuation_tokens": 63, "max_length": 64}),
+        change_task(0, calibration={"continuation_tokens": 63, "max_length": 64}),
         "surgery.tasks[0].calibration.continuation_tokens: 63 leaves no room for the prompt",
     ),
 ]
@@ -395,6 +313,7 @@ def test_fewer_records_than_num_samples_warns_and_uses_them(
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_stock_mergekit_yaml_prints_one_line_and_writes_nothing(
     tiny_family, calibration_data, tmp_path
 ):
@@ -499,12 +418,6 @@ def test_surgery_file_may_be_a_merge_yaml_or_the_block(tmp_path):
         read_surgery_file(tmp_path / "none.yml")
 
 
-def _prompts(tmp_path, monkeypatch, calibration: dict) -> tuple[str, ...]:
-    monkeypatch.chdir(tmp_path)  # relative paths resolve from the working directory
-    config = parse_surgery({"tasks": [{"name": "t", "target": "./t", "calibration": calibration}]})
-    return load_prompts(resolve_tasks(config)[0]).texts
-
-
 def test_every_file_format_and_template(tmp_path, monkeypatch):
     records = [{"q": "one two", "a": "three"}, {"q": "four", "a": "five"}]
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
@@ -515,21 +428,24 @@ def test_every_file_format_and_template(tmp_path, monkeypatch):
 
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "r.parquet")
     for name in ("r.jsonl", "r.json", "r.parquet"):
-        assert _prompts(tmp_path, monkeypatch, {"path": name, "field": "q"}) == ("one two", "four")
-        rendered = _prompts(tmp_path, monkeypatch, {"path": name, "template": "Q: {q} A: {a}"})
+        assert task_prompts(tmp_path, monkeypatch, {"path": name, "field": "q"}) == (
+            "one two",
+            "four",
+        )
+        rendered = task_prompts(tmp_path, monkeypatch, {"path": name, "template": "Q: {q} A: {a}"})
         assert rendered == ("Q: one two A: three", "Q: four A: five")
-    assert _prompts(tmp_path, monkeypatch, {"path": "r.txt"}) == ("one two", "four")
-    assert _prompts(tmp_path, monkeypatch, {"path": "r.txt", "num_samples": 1}) == ("one two",)
+    assert task_prompts(tmp_path, monkeypatch, {"path": "r.txt"}) == ("one two", "four")
+    assert task_prompts(tmp_path, monkeypatch, {"path": "r.txt", "num_samples": 1}) == ("one two",)
 
 
 def test_datasets_source(tmp_path, monkeypatch):
     folder = tmp_path / "local_dataset"
     folder.mkdir()
     (folder / "train.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
-    texts = _prompts(tmp_path, monkeypatch, {"dataset": str(folder), "split": "train"})
+    texts = task_prompts(tmp_path, monkeypatch, {"dataset": str(folder), "split": "train"})
     assert texts == ("one", "two")
     with pytest.raises(SurgeryConfigError, match=r"^surgery.tasks\[0\].calibration.dataset: "):
-        _prompts(tmp_path, monkeypatch, {"dataset": str(folder), "split": "validation"})
+        task_prompts(tmp_path, monkeypatch, {"dataset": str(folder), "split": "validation"})
 
 
 def test_prompt_hashes(tiny_family, calibration_data, tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import surgery_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import load_surgery, run_surgery
@@ -108,22 +109,19 @@ def test_bad_calls(target):
 
 
 def surgery(data: Path, target: Path, **task) -> dict:
-    calibration = {"path": str(data / "math.jsonl"), "field": "question", "max_length": 48}
-    calibration |= task.pop("calibration", {})
-    return {
-        "steps": 60,
-        "lr": 1e-2,
-        "loss": "l1",
-        "batch_size": 4,
-        "tasks": [{"name": "math", "target": str(target), "calibration": calibration, **task}],
-    }
+    return surgery_block(
+        target,
+        data / "math.jsonl",
+        calibration={"max_length": 48, **task.pop("calibration", {})},
+        task=task,
+        steps=60,
+        lr=1e-2,
+        loss="l1",
+        batch_size=4,
+    )
 
 
-@pytest.fixture
-def merged_copy(tiny_merged, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
-
-
+@pytest.mark.slow
 def test_completion_loss_covers_exactly_the_completion_tokens(
     tiny_family, calibration_data, merged_copy
 ):
@@ -157,6 +155,7 @@ def test_completion_loss_covers_exactly_the_completion_tokens(
     assert diag["input_ids"][row, len(prompt) : len(prompt) + len(expected)].tolist() == expected
 
 
+@pytest.mark.slow
 def test_continuation_calibration_improves_rho_on_completion_positions(
     tiny_family, calibration_data, tmp_path, tiny_merged
 ):
@@ -197,6 +196,7 @@ def _hidden(folder: Path, sequences: list[list[int]]):
     return capture(model, sequences, cache_dtype=torch.float32, progress=False)
 
 
+@pytest.mark.slow
 def test_target_that_ends_every_completion_at_once(
     tiny_family, calibration_data, merged_copy, tmp_path
 ):

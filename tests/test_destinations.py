@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import tiny
 import yaml
-from test_sweep import spec_file  # noqa: F401  (a fixture)
 
 from mergekit_darts.analysis import sweep
 from mergekit_darts.deploy.export import export
@@ -26,14 +25,9 @@ def listing(folder: Path) -> list[str]:
 
 
 @pytest.fixture
-def merged(tiny_merged: Path, tmp_path: Path) -> Path:
-    folder = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
-    module = tiny.random_module("pos_corr", 64, 4, 8, seed=1)
-    entry = {"module": "pos_corr", "rank": 4, "max_positions": 8}
-    tiny.write_surgery_folder(
-        folder / "surgery", {"math": module}, {"hidden_size": 64, "tasks": {"math": entry}}
-    )
-    return folder
+def merged(merged_copy: Path) -> Path:
+    tiny.write_surgery(merged_copy / "surgery", tiny.random_modules({"math": "pos_corr"}, 64, 4, 8))
+    return merged_copy
 
 
 def test_an_export_inside_the_merged_folder_is_refused(merged, tmp_path):
@@ -51,7 +45,7 @@ def test_an_export_inside_the_merged_folder_is_refused(merged, tmp_path):
 
 
 @pytest.mark.parametrize("where", [".", "surgery/sweep", "runs"])
-def test_a_sweep_output_inside_the_merged_folder_is_refused(spec_file, tmp_path, where):  # noqa: F811
+def test_a_sweep_output_inside_the_merged_folder_is_refused(spec_file, tmp_path, where):
     spec = yaml.safe_load(spec_file.read_text())
     merged = Path(spec["merged"])
     spec["output"] = str(merged / where)
@@ -72,16 +66,11 @@ def test_a_capture_store_inside_surgery_is_refused(tiny_family, calibration_data
     """Every calibration replaces surgery/ whole: a cache_dir there would lose its captures."""
     from mergekit_darts import run_surgery
 
-    block = {
-        "cache_dir": str(merged / "surgery" / "cache"),
-        "tasks": [
-            {
-                "name": "math",
-                "target": str(tiny_family.math),
-                "calibration": {"path": str(calibration_data / "math.jsonl"), "field": "question"},
-            }
-        ],
-    }
+    block = tiny.surgery_block(
+        tiny_family.math,
+        calibration_data / "math.jsonl",
+        cache_dir=str(merged / "surgery" / "cache"),
+    )
     before = listing(merged)
     with pytest.raises(SurgeryConfigError) as info:
         run_surgery(merged, block, overwrite=True, progress=False)
@@ -95,14 +84,6 @@ def test_a_merge_into_its_own_targets_folder_is_refused_before_merging(
     tiny_family, calibration_data, tmp_path
 ):
     """`mergekit-yaml cfg ./math` with a task targeting ./math would overwrite the fine-tune."""
-    import inspect
-
-    import mergekit.merge
-    from mergekit.config import MergeConfiguration
-    from mergekit.options import MergeOptions
-
-    from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
-
     target = Path(shutil.copytree(tiny_family.math, tmp_path / "math"))
     config = {
         "merge_method": "linear",
@@ -111,28 +92,11 @@ def test_a_merge_into_its_own_targets_folder_is_refused_before_merging(
             {"model": str(target), "parameters": {"weight": 0.5}},
         ],
         "dtype": "float32",
-        "surgery": {
-            "tasks": [
-                {
-                    "name": "math",
-                    "target": str(target),
-                    "calibration": {
-                        "path": str(calibration_data / "math.jsonl"),
-                        "field": "question",
-                    },
-                }
-            ]
-        },
+        "surgery": tiny.surgery_block(target, calibration_data / "math.jsonl"),
     }
     before = {p.name: p.read_bytes() for p in target.iterdir()}
     with pytest.raises(SurgeryConfigError) as info:
-        merge_with_surgery(
-            inspect.unwrap(mergekit.merge.run_merge),
-            MergeConfiguration.model_validate(config),
-            str(target),
-            MergeOptions(quiet=True),
-            yaml.safe_dump(config),
-        )
+        tiny.hooked_merge(config, target)
     message = str(info.value)
     assert message.startswith(f"surgery.tasks[0].target: {target} is the merged folder")
     assert "\n" not in message

@@ -7,36 +7,41 @@ here independently from the captured states.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from tiny import surgery_block
 
 from mergekit_darts import run_surgery
 from mergekit_darts.errors import SurgeryFormatError, SurgeryRunError
 
 
 def _block(tiny_family, calibration_data, **task) -> dict:
-    calibration = {
-        "path": str(calibration_data / "math.jsonl"),
-        "field": "question",
-        "max_length": 16,
-    }
-    entry = {"name": "math", "target": str(tiny_family.math), "calibration": calibration}
-    block = {"steps": 10, "batch_size": 4, "rank": 4, "max_positions": 16, "select": "off"}
-    return block | {"tasks": [entry | task]}  # the paper's recipe: one module, no selection
+    """The paper's recipe: one module, no selection."""
+    return surgery_block(
+        tiny_family.math,
+        calibration_data / "math.jsonl",
+        calibration={"max_length": 16},
+        task=task,
+        steps=10,
+        batch_size=4,
+        rank=4,
+        max_positions=16,
+        select="off",
+    )
 
 
 @pytest.fixture
-def merged(tiny_merged, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+def merged(merged_copy: Path) -> Path:
+    return merged_copy
 
 
 def _files(merged: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((merged / "surgery").rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("lr", "reason"),
     [(1e30, "its loss or weights became NaN or inf"), (1e12, "x the "), (1e3, "x the ")],
@@ -56,6 +61,7 @@ def test_diverged_training_stops_and_the_previous_surgery_stays(
     assert _files(merged) == good
 
 
+@pytest.mark.slow
 def test_the_cli_exits_non_zero_with_one_line(tiny_family, calibration_data, merged, tmp_path):
     from click.testing import CliRunner
 
@@ -68,6 +74,7 @@ def test_the_cli_exits_non_zero_with_one_line(tiny_family, calibration_data, mer
     assert not (merged / "surgery").exists()
 
 
+@pytest.mark.slow
 def test_divergence_compares_the_loss_over_every_training_token(
     tiny_family, calibration_data, merged
 ):
@@ -96,6 +103,7 @@ def test_divergence_compares_the_loss_over_every_training_token(
         assert (result.divergence() is not None) is diverged
 
 
+@pytest.mark.slow
 def test_a_diverging_select_candidate_is_left_out_and_recorded(
     tiny_family, calibration_data, merged, caplog
 ):

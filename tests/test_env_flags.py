@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_config import merge, merge_config
+from tiny import merge, merge_config
 
 from mergekit_darts.envflags import EnvFlagError, env_flag
 
@@ -83,6 +83,7 @@ def test_flag_that_is_not_a_boolean_is_refused_before_merging(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_stock_mergekit_yaml_with_overwrite_no(tiny_family, calibration_data, tmp_path):
     (tmp_path / "merge.yml").write_text(yaml.safe_dump(merge_config(tiny_family, calibration_data)))
     (tmp_path / "out" / "surgery").mkdir(parents=True)
@@ -134,6 +135,7 @@ def startup(tmp_path: Path, value: str | None, *, venv: bool = False, then: str 
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("value", "hooked"),
     [(None, 1), ("", 1), ("0", 1), ("false", 1), ("Off", 1), ("no", 1), ("1", 0), ("TRUE", 0)],
@@ -145,6 +147,7 @@ def test_startup_hook_reads_the_flag_as_a_boolean(tmp_path, value, hooked):
     assert done.stderr == ""
 
 
+@pytest.mark.slow
 def test_startup_hook_reports_a_bad_flag_in_one_line_and_stays_on(tmp_path):
     done = startup(tmp_path, "maybe")
     assert done.returncode == 0, done.stderr
@@ -162,6 +165,7 @@ main()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["0", "false", "maybe"])
 def test_stock_mergekit_yaml_is_hooked_unless_the_flag_is_true(
     tiny_family, calibration_data, tmp_path, value

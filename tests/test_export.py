@@ -3,7 +3,7 @@
 The surgery folders are written directly (random, non-zero weights in every parameter, position
 rows included), so these tests do not depend on the calibration pipeline. The exported model is
 checked against ``apply_surgery`` on the merged folder and against an independent float64
-computation of the correction written here. The shipped file is also the single source of the
+computation of the correction (``reference.py``). The shipped file is also the single source of the
 position rule and of the ``darts`` section's check: both are tested here against hand-written
 references and under transformers' ``from_pretrained``.
 """
@@ -15,7 +15,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,13 +23,26 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
+from reference import (
+    BAD_SECTIONS,
+    MAX_POSITIONS,
+    RANK,
+    STEPS,
+    corrected64,
+    fail,
+    head_input,
+    load,
+    logits_without_darts,
+    positions_by_hand,
+    snapshot,
+    unbind_surgery_file,
+)
 from safetensors.torch import load_file, save_file
-from test_vllm_plugin_light import BAD_SECTIONS
-from tiny import random_module
+from tiny import random_modules, write_surgery
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery
-from mergekit_darts.artifacts import expected_shapes, write_surgery_folder
+from mergekit_darts.artifacts import expected_shapes
 from mergekit_darts.calibrate.train import positions_of
 from mergekit_darts.cli import main
 from mergekit_darts.core.correction import (
@@ -44,29 +56,24 @@ from mergekit_darts.deploy import modeling_darts
 from mergekit_darts.deploy.export import MODELING_FILE, SHIPPED_FILES, export
 from mergekit_darts.deploy.modeling_darts import darts_section, weights_fingerprint
 
-RANK, MAX_POSITIONS = 4, 8  # the test prompts run past 8 tokens: positions off the table too
 # the kinds with tensors, each exported as a task of its own name ("none" is a reserved task name:
 # the none module, and routed exports, are tested in test_export_routed.py)
 KINDS = tuple(kind for kind in MODULE_KINDS if kind != "none")
-STEPS = 6
 
 
 def write_random_surgery(folder: Path, hidden_size: int, kinds: tuple[str, ...]) -> None:
     """``folder/surgery`` with one task per module kind, every weight random and non-zero."""
-    modules, tasks = {}, {}
-    for seed, kind in enumerate(kinds, start=1):
-        module = random_module(kind, hidden_size, RANK, MAX_POSITIONS, seed)
-        modules[kind] = module
-        tasks[kind] = {
-            "module": kind,
-            "rank": RANK,
-            "max_positions": MAX_POSITIONS,
+    modules = random_modules({kind: kind for kind in kinds}, hidden_size, RANK, MAX_POSITIONS)
+    entries = {
+        kind: {
             "loss": "ewl1",
             "target": f"./{kind}-expert",
             "eval_tasks": [f"tiny_{kind}"],
             "metrics": {"rho_l1": 0.25 + 0.125 * seed},
         }
-    write_surgery_folder(folder / "surgery", modules, {"hidden_size": hidden_size, "tasks": tasks})
+        for seed, kind in enumerate(kinds, start=1)
+    }
+    write_surgery(folder / "surgery", modules, entries=entries)
 
 
 @pytest.fixture(scope="module")
@@ -96,69 +103,10 @@ def batch(tiny_family: Any) -> dict[str, torch.Tensor]:
     return dict(encoded)
 
 
-def load(folder: Path, **kwargs: Any) -> Any:
-    kwargs.setdefault("dtype", torch.float32)
-    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs).eval()
-
-
 def reference_model(merged: Path, task: str, **kwargs: Any) -> Any:
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, **kwargs).eval()
     apply_surgery(model, merged / "surgery", task)
     return model
-
-
-# ---- an independent float64 reference -------------------------------------------------------------
-
-
-def positions_by_hand(mask: torch.Tensor) -> torch.Tensor:
-    """0, 1, 2, ... over each row's real tokens, -1 on padding, written out as loops."""
-    out = torch.full(mask.shape, -1, dtype=torch.long)
-    for row in range(mask.shape[0]):
-        seen = 0
-        for col in range(mask.shape[1]):
-            if mask[row, col]:
-                out[row, col] = seen
-                seen += 1
-    return out
-
-
-def corrected64(kind: str, state: dict[str, torch.Tensor], h: torch.Tensor, pos: torch.Tensor):
-    """h - correction(h, p) in float64, from the module kinds' formulas (paper 3.2, appendix E)."""
-    w = {k.removeprefix("darts_surgery."): v.double() for k, v in state.items()}
-    h = h.double()
-
-    def bottleneck(x: torch.Tensor, down: str, up: str) -> torch.Tensor:
-        return torch.relu(x @ w[down].T) @ w[up].T
-
-    def rows(table: str) -> torch.Tensor:
-        inside = ((pos >= 0) & (pos < MAX_POSITIONS)).unsqueeze(-1).double()
-        return w[table][pos.clamp(0, MAX_POSITIONS - 1)] * inside
-
-    if kind == "standard":
-        delta = bottleneck(h, "down.weight", "up.weight")
-    elif kind == "pos_corr":
-        delta = bottleneck(h, "down.weight", "up.weight") + rows("position_bias")
-    elif kind == "add":
-        delta = bottleneck(h + rows("position_embedding"), "down.weight", "up.weight")
-    else:
-        delta = bottleneck(h, "down.weight", "up.weight") + bottleneck(
-            rows("position_embedding"), "position_down.weight", "position_up.weight"
-        )
-    return h - delta
-
-
-def head_input(model: Any, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain model's LM-head input and logits for ``inputs``."""
-    seen: dict[str, torch.Tensor] = {}
-    hook = model.get_output_embeddings().register_forward_pre_hook(
-        lambda _m, args: seen.update(h=args[0])
-    )
-    try:
-        with torch.no_grad():
-            logits = model(**inputs).logits
-    finally:
-        hook.remove()
-    return seen["h"], logits
 
 
 # ---- numbers -----------------------------------------------------------------------------------------
@@ -271,48 +219,7 @@ def test_tokenizer_loads_as_the_merged_one(merged: Path, exported: Path, tiny_fa
     assert ours(tiny_family.prompts)["input_ids"] == theirs(tiny_family.prompts)["input_ids"]
 
 
-NO_DARTS = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("mergekit_darts", "lm_eval_darts", "mergekit", "lm_eval"):
-            raise ImportError(f"{name} is blocked: mergekit-darts must not be needed")
-sys.meta_path.insert(0, Block())
-import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
-inputs = load_file(sys.argv[1])
-out = {}
-for folder in sys.argv[3:]:
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
-    with torch.no_grad():
-        out[folder] = model(**inputs).logits
-assert not [m for m in sys.modules if m.startswith(("mergekit", "lm_eval"))]
-save_file(out, sys.argv[2])
-"""
-
-
-def logits_without_darts(
-    folders: list[str], batch: dict[str, torch.Tensor], tmp_path: Path
-) -> dict[str, torch.Tensor]:
-    """Each exported folder's logits on ``batch``, from a fresh interpreter that cannot import
-    mergekit_darts, lm_eval_darts, mergekit or lm_eval (``NO_DARTS``)."""
-    save_file(batch, tmp_path / "inputs.safetensors")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env |= {
-        "DARTS_NO_HOOK": "1",
-        "HF_MODULES_CACHE": str(tmp_path / "modules"),
-        "HF_HUB_OFFLINE": "1",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", NO_DARTS, str(tmp_path / "inputs.safetensors"),
-         str(tmp_path / "logits.safetensors"), *folders],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return load_file(tmp_path / "logits.safetensors")
-
-
+@pytest.mark.slow
 def test_loads_where_mergekit_darts_is_not_installed(
     exported: Path, batch: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
@@ -349,6 +256,7 @@ def test_shipped_file_imports_only_torch_and_transformers() -> None:
     assert relative == set(SHIPPED_FILES) - {MODELING_FILE.name}
 
 
+@pytest.mark.slow
 def test_lm_eval_hf_on_the_export_equals_hf_darts(merged: Path, exported: Path) -> None:
     """The model card's ``lm_eval --model hf ... trust_remote_code=True`` gives hf-darts' answers."""
     import contextlib
@@ -477,14 +385,6 @@ def test_a_section_that_does_not_fit_the_model_is_refused(exported: Path, tmp_pa
     with pytest.raises(ValueError, match="darts.hidden_size 32 does not match") as info:
         load(folder)
     assert "\n" not in str(info.value)
-
-
-def unbind_surgery_file(folder: Path) -> None:
-    """Drop the surgery file from config.json's darts.weights, as in an export made before it was
-    recorded there: what the shipped loader checks inside the file is reached."""
-    config = json.loads((folder / "config.json").read_text())
-    del config["darts"]["weights"]["darts_surgery.safetensors"]
-    (folder / "config.json").write_text(json.dumps(config))
 
 
 def without_surgery_tensors(exported: Path, folder: Path, keep_file: bool) -> Path:
@@ -720,18 +620,6 @@ def test_link_modes(link: str, merged: Path, tmp_path: Path) -> None:
 # ---- errors: one line, before anything is written ------------------------------------------------------
 
 
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def fail(*args: str) -> str:
-    run = CliRunner().invoke(main, ["export", *args])
-    assert run.exit_code != 0
-    message = run.output.strip().splitlines()[-1]
-    assert message.startswith("Error: "), run.output
-    return message
-
-
 def test_errors_leave_dest_untouched(merged: Path, tiny_family: Any, tmp_path: Path) -> None:
     out = str(merged)
     full = tmp_path / "full"
@@ -830,3 +718,29 @@ def test_a_crafted_task_name_cannot_write_beside_dest(merged: Path, tmp_path: Pa
     dest = tmp_path / "exports" / "dest"
     assert "not a valid task name" in fail(str(out), "--all", str(dest))
     assert not (tmp_path / "exports").exists()
+
+
+# ---- output_hidden_states ------------------------------------------------------------------------
+# What `output_hidden_states=True` returns with a surgery attached (docs/design.md): the
+# correction sits on the LM head's input, so `hidden_states[-1]` is the uncorrected final hidden
+# state in every transformers path (apply_surgery, hence hf-darts, and the export), and only the
+# logits carry the correction.
+
+
+def plain(folder: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("path", ["apply_surgery", "export"])
+def test_last_hidden_state_is_uncorrected(path, merged, exported, batch):
+    h, plain_logits = head_input(plain(merged), batch)
+    if path == "apply_surgery":
+        model = plain(merged)
+        apply_surgery(model, merged / "surgery", "pos_corr")
+    else:
+        model = load(exported / "pos_corr")
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(out.hidden_states[-1][real], h[real], rtol=0, atol=1e-6)
+    assert (out.logits - plain_logits)[real].abs().max() > 0.1  # the logits are corrected

@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
-from test_export import (
+from reference import (
     MAX_POSITIONS,
     RANK,
     STEPS,
@@ -33,6 +32,7 @@ from test_export import (
     snapshot,
     unbind_surgery_file,
 )
+from safetensors.torch import load_file, save_file
 from tiny import write_routed_surgery
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -319,6 +319,7 @@ def test_a_none_export_serves_the_plain_merge(
         assert torch.equal(applied(**batch).logits, plain(**batch).logits)
 
 
+@pytest.mark.slow
 def test_loads_where_mergekit_darts_is_not_installed(
     routed: Any, batch: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:

@@ -149,6 +149,7 @@ def test_head_survives_storage_as_tensors():
     )
 
 
+@pytest.mark.slow
 def test_ce_with_the_real_biased_head_moves_the_merge_towards_its_target():
     """A head's bias is part of the output path: without it, ce trains the phi merge away from its target."""
     merged_model, target_model = _phi(0), _phi(0)

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import build_tokenizer, tiny_config
+from tiny import build_tokenizer, surgery_task, tiny_config
 from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
 
 from mergekit_darts import run_surgery
 from mergekit_darts.core import head
 from mergekit_darts.errors import SurgeryRunError
+
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
 
 
 @pytest.fixture
@@ -38,13 +40,12 @@ def forwards(monkeypatch) -> list[tuple[str, int]]:
     return calls
 
 
-def _calibration(data: Path, name: str, count: int) -> dict:
-    return {
-        "path": str(data / f"{name}.jsonl"),
-        "field": "question",
-        "num_samples": count,
-        "max_length": 16,
-    }
+def _task(name: str, target: Path, data: Path, prompts: str, count: int, **settings) -> dict:
+    """Task ``name`` on ``count`` prompts of ``data/<prompts>.jsonl``."""
+    calibration = {"num_samples": count, "max_length": 16}
+    return surgery_task(
+        name, target, data / f"{prompts}.jsonl", calibration=calibration, **settings
+    )
 
 
 def test_an_unknown_head_fails_after_one_batch_of_the_first_capture(
@@ -58,11 +59,9 @@ def test_an_unknown_head_fails_after_one_batch_of_the_first_capture(
         tokenizer.save_pretrained(tmp_path / name)
     monkeypatch.delitem(head.SCALES, "granite")
     tasks = [
-        {"name": "math", "target": str(tmp_path / "target"), "loss": "kl"},
-        {"name": "code", "target": str(tmp_path / "other")},
+        _task("math", tmp_path / "target", calibration_data, "math", 12, loss="kl"),
+        _task("code", tmp_path / "other", calibration_data, "code", 12),
     ]
-    for task in tasks:
-        task["calibration"] = _calibration(calibration_data, task["name"], 12)
     block = {"steps": 2, "batch_size": 4, "rank": 4, "max_positions": 16, "tasks": tasks}
     with pytest.raises(SurgeryRunError) as caught:
         run_surgery(tmp_path / "merged", block, progress=False)
@@ -81,11 +80,7 @@ def test_captures_of_one_model_share_one_head(tiny_family, calibration_data, tin
 
     merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
     tasks = [
-        {
-            "name": name,
-            "target": str(tiny_family.math),
-            "calibration": _calibration(calibration_data, "math", n),
-        }
+        _task(name, tiny_family.math, calibration_data, "math", n)
         for name, n in (("a", 6), ("b", 9))
     ]
     block = {

@@ -20,35 +20,31 @@ import pytest
 import tiny
 import torch
 from lm_eval import simple_evaluate
-from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
+from peft import LoraConfig, get_peft_model
+from reference import GEN, MC, MC_COPY, PPL, instance
+from sqlitedict import SqliteDict
 from transformers import AutoModelForCausalLM
 
 from lm_eval_darts.model import DartsHFLM
 from mergekit_darts import SurgeryModule
-from mergekit_darts.artifacts import write_surgery_folder
-from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.errors import ModelArgsError, SurgeryFormatError
 from mergekit_darts.task_map import parse_surgery_map
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
-MC, MC_COPY, GEN, PPL = "darts_tiny_mc", "darts_tiny_mc_copy", "darts_tiny_gen", "darts_tiny_ppl"
 HIDDEN, RANK, MAX_POSITIONS = 64, 4, 12  # prompts run past 12 tokens: b_p = 0 there is exercised
 BIN = Path(sys.executable).parent
 NO_HOOK = {"DARTS_NO_HOOK": "1"}
 
 
-def random_module(seed: int) -> SurgeryModule:
-    """A pos_corr module with every weight random and non-zero, so the correction is visible."""
-    return tiny.random_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed)
-
-
 def write_surgery(folder: Path, eval_tasks: dict[str, list[str]], vocab_size: int) -> Path:
-    modules = {name: random_module(seed) for seed, name in enumerate(eval_tasks, start=1)}
-    tasks = {
+    """One pos_corr task per name (every weight random and non-zero, so the correction is
+    visible), routed to its lm-eval tasks."""
+    modules = tiny.random_modules(
+        dict.fromkeys(eval_tasks, "pos_corr"), HIDDEN, RANK, MAX_POSITIONS
+    )
+    entries = {
         name: {
-            "module": "pos_corr",
-            "rank": RANK,
-            "max_positions": MAX_POSITIONS,
             "loss": "ewl1",
             "steps": 0,
             "lr": 1e-3,
@@ -60,8 +56,7 @@ def write_surgery(folder: Path, eval_tasks: dict[str, list[str]], vocab_size: in
         }
         for name in eval_tasks
     }
-    manifest = {"hidden_size": HIDDEN, "vocab_size": vocab_size, "tasks": tasks}
-    return write_surgery_folder(folder, modules, manifest)
+    return tiny.write_surgery(folder, modules, entries=entries, vocab_size=vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +177,6 @@ def test_set_surgery_swaps_modules_without_reloading(
     assert lm.surgery.mode == "none" and lm.model is model  # unchanged, never reloaded
 
 
-def instance(kind: str, args: tuple, task: str = MC, idx: int = 0) -> Instance:
-    return Instance(request_type=kind, doc={}, arguments=args, idx=idx, metadata=(task, idx, 1))
-
-
 def test_lm_eval_requests_match_reference(
     darts_lm: DartsHFLM, plain: Any, tiny_family: Any
 ) -> None:
@@ -247,6 +238,7 @@ def assert_same_up_to_float_noise(a: Any, b: Any, tol: float = 1e-5) -> None:
         assert a == b
 
 
+@pytest.mark.slow
 def test_batch_size_does_not_change_results(evaluate: Callable, merged: Path) -> None:
     args = {"pretrained": str(merged), "surgery": "math"}
     one = evaluate(args, [MC, GEN, PPL], batch_size=1)
@@ -256,6 +248,7 @@ def test_batch_size_does_not_change_results(evaluate: Callable, merged: Path) ->
         assert_same_up_to_float_noise(one[task], eight[task])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("none", [None, "none"])
 def test_surgery_none_equals_hf(evaluate: Callable, merged: Path, none: str | None) -> None:
     hf = evaluate({"pretrained": str(merged)}, [MC, GEN], model="hf")
@@ -272,6 +265,7 @@ def test_surgery_none_from_a_model_args_string(merged: Path) -> None:
     assert lm.surgery.mode == "none"
 
 
+@pytest.mark.slow
 def test_auto_and_surgery_map_route_each_task(evaluate: Callable, merged: Path) -> None:
     tasks = [MC, MC_COPY, GEN, PPL]
     math = evaluate({"pretrained": str(merged), "surgery": "math"}, [MC, GEN, PPL])
@@ -356,6 +350,7 @@ def test_missing_surgery_folder(tiny_family: Any) -> None:
         DartsHFLM(pretrained="darts-tests/no-such-model", surgery="math", device="cpu")
 
 
+@pytest.mark.slow
 def test_auto_without_module_for_a_task(evaluate: Callable, merged: Path) -> None:
     with pytest.raises(ValueError, match=r"no module for lm-eval task\(s\) darts_tiny_gen; mapped"):
         evaluate({"pretrained": str(merged), "surgery_map": f"{MC}:math"}, [MC, GEN])
@@ -482,6 +477,7 @@ def leaky_surgery(merged: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return folder
 
 
+@pytest.mark.slow
 def test_calibration_prompts_in_eval_requests_are_reported(
     evaluate: Callable, merged: Path, leaky_surgery: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -496,6 +492,7 @@ def test_calibration_prompts_in_eval_requests_are_reported(
     assert not any(MC in w for w in warnings)
 
 
+@pytest.mark.slow
 def test_no_diagnostics_no_overlap_check(
     evaluate: Callable, merged: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -527,3 +524,118 @@ def test_possibly_cut_reads_the_manifest() -> None:
     assert possibly_cut(record, 3) == [False, True, False]
     assert possibly_cut(record, 2) == []  # rows that do not match: nothing marked
     assert possibly_cut({"max_length": 8}, 3) == []  # older manifests read as before
+
+
+# ------------------------------------------------------------------------------------------------
+# ``hf-darts`` never returns answers of another correction or corrects other weights.
+#
+# lm-eval's ``--use_cache`` keys each answer by its request alone; a run with one correction must
+# not read the answers a run with another correction cached. ``peft=`` and ``delta=`` change the
+# merged weights, which the surgery was calibrated on without them: refused, before the model loads.
+# Runs through the stock ``lm_eval`` console script on the tiny model of ``test_hf_darts``.
+
+
+LIMIT = 4
+
+
+def lm_eval_cli(merged: Path, surgery: str, cache: Path, output: Path) -> None:  # noqa: F811
+    command = [
+        str(BIN / "lm_eval"), "--model", "hf-darts",
+        "--model_args", f"pretrained={merged},surgery={surgery},dtype=float32",
+        "--tasks", MC, "--include_path", ".", "--device", "cpu", "--batch_size", "4",
+        "--limit", str(LIMIT), "--log_samples", "--use_cache", str(cache),
+        "--output_path", str(output),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "DARTS_NO_HOOK"} | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=TASKS_DIR, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def floats(value: Any) -> list[float]:
+    """The loglikelihoods in lm-eval's nested responses, in order."""
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [x for item in value for x in floats(item)]
+    return []
+
+
+def cached_answers(cache: Path) -> int:
+    with SqliteDict(f"{cache}_rank0.db") as database:
+        return len(database)
+
+
+@pytest.mark.slow
+def test_use_cache_keeps_the_answers_of_each_correction_apart(
+    merged: Path,  # noqa: F811
+    evaluate: Callable,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    fresh = {
+        task: evaluate({"pretrained": str(merged), "surgery": task}, [MC], batch_size=4)[MC]
+        for task in ("math", "code")
+    }
+    differ = [abs(a - b) for a, b in zip(floats(fresh["math"]), floats(fresh["code"]), strict=True)]
+    assert max(differ) > 1e-2  # a cached answer of the other correction would show
+
+    cache = tmp_path / "cache" / "lm"
+    lm_eval_cli(merged, "math", cache, tmp_path / "math")
+    filled = cached_answers(cache)
+    assert filled > 0
+    lm_eval_cli(merged, "code", cache, tmp_path / "code")  # the cache holds math's answers
+    assert_same_up_to_float_noise(cli_samples(tmp_path / "math"), fresh["math"][:LIMIT])
+    assert_same_up_to_float_noise(cli_samples(tmp_path / "code"), fresh["code"][:LIMIT])
+    assert cached_answers(cache) == 2 * filled
+
+    # the same correction again reads its own answers: nothing new is computed or stored
+    from lm_eval import simple_evaluate
+
+    with contextlib.chdir(TASKS_DIR):
+        simple_evaluate(
+            model="hf-darts",
+            model_args={"pretrained": str(merged), "surgery": "code", "dtype": "float32"},
+            tasks=[MC],
+            limit=LIMIT,
+            batch_size=4,
+            device="cpu",
+            use_cache=str(cache),
+            bootstrap_iters=0,
+            task_manager=evaluate_task_manager(),
+        )
+    assert cached_answers(cache) == 2 * filled
+
+
+def evaluate_task_manager() -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+
+
+@pytest.fixture(scope="module")
+def adapter(merged: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+    """A real LoRA adapter of the merged model, saved by peft."""
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    config = LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj", "v_proj"])
+    folder = tmp_path_factory.mktemp("adapter") / "lora"
+    get_peft_model(model, config).save_pretrained(folder)
+    return folder
+
+
+def test_peft_and_delta_with_a_surgery_are_refused(
+    merged: Path,  # noqa: F811
+    adapter: Path,
+    tiny_family: Any,
+) -> None:
+    for name, value in {"peft": adapter, "delta": tiny_family.code}.items():
+        for surgery in ("math", "auto"):
+            with pytest.raises(ModelArgsError) as info:
+                DartsHFLM(pretrained=str(merged), surgery=surgery, device="cpu", **{name: value})
+            message = str(info.value)
+            assert f"{name}={value}" in message and "calibrated on" in message
+            assert "surgery=none" in message and "\n" not in message
+    lm = DartsHFLM(pretrained=str(merged), surgery="none", peft=str(adapter), device="cpu")
+    with pytest.raises(ModelArgsError, match="peft="):  # nor switched on afterwards
+        lm.set_surgery("math")
+    assert lm.surgery.mode == "none"

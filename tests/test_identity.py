@@ -8,91 +8,54 @@ folder, and hardlinks to it, keep their surgery. Merges here are real mergekit r
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
-import mergekit.merge
 import pytest
 import tiny
 import torch
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
+import yaml
+from tiny import BIN, script_env
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import apply_surgery, load_surgery, run_surgery
-from mergekit_darts.artifacts import read_manifest, write_surgery_folder
+from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.deploy.export import export
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.identity import cache_key as model_identity
 from mergekit_darts.identity import weights_identity
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 HIDDEN, RANK, MAX_POSITIONS = 64, 4, 12
 REDO = "was calibrated on other weights than those in"
 
 
-def merge(tiny_family: Any, out: Path, math_weight: float = 0.5) -> Path:
-    """A task-arithmetic merge of the tiny family by the real (unwrapped) mergekit."""
-    config = MergeConfiguration.model_validate(
-        {
-            "merge_method": "task_arithmetic",
-            "base_model": str(tiny_family.base),
-            "models": [
-                {"model": str(tiny_family.math), "parameters": {"weight": math_weight}},
-                {"model": str(tiny_family.code), "parameters": {"weight": 0.5}},
-            ],
-            "dtype": "float32",
-        }
-    )
-    inspect.unwrap(mergekit.merge.run_merge)(config, str(out), MergeOptions(quiet=True))
-    return out
-
-
 def write_surgery(merged: Path, identity: str | None) -> Path:
     """A one-task surgery/ (random module) recording ``identity`` as the weights it belongs to."""
-    module = tiny.random_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed=1)
-    entry = {"module": "pos_corr", "rank": RANK, "max_positions": MAX_POSITIONS, "eval_tasks": []}
-    manifest = {"hidden_size": HIDDEN, "tasks": {"math": entry}}
-    if identity is not None:
-        manifest["merged_identity"] = identity
-    return write_surgery_folder(merged / "surgery", {"math": module}, manifest)
+    modules = tiny.random_modules({"math": "pos_corr"}, HIDDEN, RANK, MAX_POSITIONS)
+    recorded = {} if identity is None else {"merged_identity": identity}
+    return tiny.write_surgery(
+        merged / "surgery", modules, entries={"math": {"eval_tasks": []}}, **recorded
+    )
 
 
 @pytest.fixture
 def merged(tiny_family: Any, tmp_path: Path) -> Path:
     """A merge with a surgery/ that records the identity of its weights."""
-    out = merge(tiny_family, tmp_path / "merged")
+    out = tiny.merge_family(tiny_family, tmp_path / "merged")
     write_surgery(out, weights_identity(out))
     return out
 
 
-def one_task_block(tiny_family: Any, calibration_data: Path) -> dict[str, Any]:
-    """A quick block: task math, four prompts, two steps."""
-    return {
-        "steps": 2,
-        "batch_size": 4,
-        "tasks": [
-            {
-                "name": "math",
-                "target": str(tiny_family.math),
-                "calibration": {
-                    "path": str(calibration_data / "math.jsonl"),
-                    "field": "question",
-                    "num_samples": 4,
-                    "max_length": 16,
-                },
-            }
-        ],
-    }
-
-
 def test_calibration_records_the_identity_of_the_weights(tiny_family, calibration_data, tmp_path):
-    out = merge(tiny_family, tmp_path / "merged")
-    written = run_surgery(out, one_task_block(tiny_family, calibration_data), progress=False)
+    out = tiny.merge_family(tiny_family, tmp_path / "merged")
+    written = run_surgery(out, tiny.one_task_block(tiny_family, calibration_data), progress=False)
     assert written["merged_identity"] == weights_identity(out) is not None
-    merge(tiny_family, out, math_weight=0.3)  # other weights into the same folder
+    tiny.merge_family(tiny_family, out, math_weight=0.3)  # other weights into the same folder
     with pytest.raises(SurgeryFormatError, match=REDO):
         load_surgery(out / "surgery")
 
@@ -101,7 +64,8 @@ def test_every_loader_refuses_a_surgery_of_other_weights(tiny_family, merged, tm
     from lm_eval_darts.model import DartsHFLM
 
     model = AutoModelForCausalLM.from_pretrained(merged)
-    merge(tiny_family, merged, math_weight=0.3)  # a stock re-merge: surgery/ stays behind
+    # a stock re-merge: surgery/ stays behind
+    tiny.merge_family(tiny_family, merged, math_weight=0.3)
     loaders = {
         "load_surgery": lambda: load_surgery(merged / "surgery"),
         "apply_surgery": lambda: apply_surgery(model, merged / "surgery"),
@@ -118,7 +82,7 @@ def test_every_loader_refuses_a_surgery_of_other_weights(tiny_family, merged, tm
 
 
 def test_identical_remerge_copies_and_hardlinks_keep_their_surgery(tiny_family, merged, tmp_path):
-    merge(tiny_family, merged)  # the same merge again: the same weights
+    tiny.merge_family(tiny_family, merged)  # the same merge again: the same weights
     load_surgery(merged / "surgery")
     copy = Path(shutil.copytree(merged, tmp_path / "copy"))  # new inodes and mtimes
     load_surgery(copy / "surgery")
@@ -129,12 +93,12 @@ def test_identical_remerge_copies_and_hardlinks_keep_their_surgery(tiny_family, 
 
 def test_what_has_nothing_to_compare_is_accepted(tiny_family, merged, tmp_path):
     """A manifest from before the identity was recorded; a surgery/ kept outside a model folder."""
-    old = merge(tiny_family, tmp_path / "old")
+    old = tiny.merge_family(tiny_family, tmp_path / "old")
     write_surgery(old, None)
-    merge(tiny_family, old, math_weight=0.3)
+    tiny.merge_family(tiny_family, old, math_weight=0.3)
     load_surgery(old / "surgery")
     outside = Path(shutil.copytree(merged / "surgery", tmp_path / "kept" / "surgery"))
-    merge(tiny_family, merged, math_weight=0.3)
+    tiny.merge_family(tiny_family, merged, math_weight=0.3)
     load_surgery(outside)
     with pytest.raises(SurgeryFormatError, match=REDO):  # unless told which weights it corrects
         load_surgery(outside, weights=merged)
@@ -142,7 +106,7 @@ def test_what_has_nothing_to_compare_is_accepted(tiny_family, merged, tmp_path):
 
 def test_apply_surgery_checks_the_model_it_corrects(tiny_family, merged, tmp_path):
     """The weights compared are the model's own folder, wherever the surgery folder lies."""
-    other = merge(tiny_family, tmp_path / "other", math_weight=0.3)
+    other = tiny.merge_family(tiny_family, tmp_path / "other", math_weight=0.3)
     model = AutoModelForCausalLM.from_pretrained(other)
     with pytest.raises(SurgeryFormatError, match=f"{REDO} {other}"):
         apply_surgery(model, merged / "surgery")
@@ -161,7 +125,7 @@ def test_a_symlinked_export_refuses_weights_merged_again_under_it(tiny_family, m
     dest = export(merged, tmp_path / "dest", "math", link="symlink")[0]
     loaded = AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
     assert loaded.darts_surgery.down.weight.abs().sum() > 0
-    merge(tiny_family, merged, math_weight=0.3)  # the link now reaches the new weights
+    tiny.merge_family(tiny_family, merged, math_weight=0.3)  # the link now reaches the new weights
     with pytest.raises(ValueError, match="is not the weight file this DARTS export was made with"):
         AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
 
@@ -171,7 +135,7 @@ def test_hardlinked_and_copied_exports_keep_their_weights(tiny_family, merged, t
     """mergekit writes new files, so a hardlink keeps the exported weights as a copy does."""
     dest = export(merged, tmp_path / "dest", "math", link=link)[0]
     before = AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
-    merge(tiny_family, merged, math_weight=0.3)
+    tiny.merge_family(tiny_family, merged, math_weight=0.3)
     after = AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
@@ -221,3 +185,75 @@ def test_an_export_missing_a_listed_weight_file_is_refused(merged, tmp_path):
     (dest / "model-00001-of-00001.safetensors").unlink()
     with pytest.raises(Exception, match="model-00001-of-00001.safetensors"):
         AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# A merged folder that also holds an earlier merge's weights: mergekit never deletes old shards.
+#
+# Merging into ``out/`` with ``--out-shard-size`` and then again without it (or the other way
+# round) leaves ``model.safetensors`` beside ``model-0000k-of-0000n.safetensors`` and their index.
+# transformers loads ``model.safetensors`` from such a folder, and so do calibration, ``hf-darts``
+# and ``apply_surgery``; the export and the weights identity must follow the same file. Merges
+# here are the stock ``mergekit-yaml`` console script.
+
+
+SHARD_SIZE = "100K"  # the tiny model's 360 KB of weights in four shards
+
+
+def mergekit_yaml(tiny_family: Any, tmp_path: Path, out: Path, math: float, sharded: bool) -> None:
+    recipe = {
+        "merge_method": "task_arithmetic",
+        "base_model": str(tiny_family.base),
+        "models": [
+            {"model": str(tiny_family.math), "parameters": {"weight": math}},
+            {"model": str(tiny_family.code), "parameters": {"weight": 0.5}},
+        ],
+        "dtype": "float32",
+    }
+    path = tmp_path / f"merge-{math}.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    command = [str(BIN / "mergekit-yaml"), str(path), str(out)]
+    if sharded:
+        command += ["--out-shard-size", SHARD_SIZE]
+    done = subprocess.run(command, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.to(torch.float64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded_first", [True, False], ids=["stale-shards", "stale-single"])
+def test_export_and_identity_follow_the_file_transformers_loads(
+    tiny_family: Any, tmp_path: Path, sharded_first: bool
+) -> None:
+    out = tmp_path / "out"
+    mergekit_yaml(tiny_family, tmp_path, out, math=0.5, sharded=sharded_first)
+    mergekit_yaml(tiny_family, tmp_path, out, math=0.2, sharded=not sharded_first)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert (out / "model.safetensors").is_file() and len(shards) > 1
+    write_surgery(out, weights_identity(out))
+
+    # the identity is that of the folder without the files transformers does not read
+    clean = Path(shutil.copytree(out, tmp_path / "clean"))
+    for name in [*shards, "model.safetensors.index.json"]:
+        (clean / name).unlink()
+    assert weights_identity(out) == weights_identity(clean)
+    load_surgery(clean / "surgery")  # the surgery belongs to those weights
+
+    export(out, tmp_path / "dest", "math")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    exported = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "dest", trust_remote_code=True, dtype=torch.float32
+    ).eval()
+    state = exported.state_dict()
+    for name, tensor in merged.state_dict().items():  # the very weights transformers loads
+        assert torch.equal(state[name], tensor), name
+
+    ids = torch.tensor([[2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]])
+    apply_surgery(merged, out / "surgery", "math")
+    expected = logits(merged, ids)
+    assert (logits(exported, ids) - expected).abs().max() <= 1e-5

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from lm_eval.api.instance import Instance
+from tiny import surgery_block
 from transformers import AutoTokenizer
 
 from lm_eval_darts.leakage import LeakageCheck
@@ -27,20 +28,9 @@ WHOLE = "say the sun and the moon twice"
 
 def calibrated(merged: Path, data: Path, folder: Path, max_length: int) -> Path:
     shutil.copytree(merged, folder)
-    block = {
-        "steps": 2,
-        "tasks": [
-            {
-                "name": "math",
-                "target": str(data.parent / "math"),
-                "calibration": {
-                    "path": str(data / "math.jsonl"),
-                    "field": "question",
-                    "max_length": max_length,
-                },
-            }
-        ],
-    }
+    block = surgery_block(
+        data.parent / "math", data / "math.jsonl", calibration={"max_length": max_length}, steps=2
+    )
     run_surgery(folder, block, progress=False, write_card=False)
     return surgery_dir(folder)
 
@@ -61,11 +51,13 @@ def folders(tiny_merged, calibration_data, tmp_path_factory) -> dict[int, Path]:
     return {n: calibrated(tiny_merged, calibration_data, root / str(n), n) for n in (3, 512)}
 
 
+@pytest.mark.slow
 def test_cut_prompts_do_not_match_unrelated_requests(folders):
     assert overlaps(folders[3], UNRELATED) == 0
     assert overlaps(folders[3], [WHOLE]) == 0  # its 2-word head is no evidence either
 
 
+@pytest.mark.slow
 def test_whole_prompts_that_were_not_cut_still_match(folders):
     assert overlaps(folders[512], UNRELATED) == 0
     assert overlaps(folders[512], [WHOLE]) == 1

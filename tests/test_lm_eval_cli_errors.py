@@ -9,7 +9,6 @@ command. Both run as real console scripts, started together (each spends ~15 s i
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +21,10 @@ TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 
 
 @pytest.mark.slow
-def test_an_unknown_surgery_task_is_one_line(tiny_merged, tmp_path):
-    merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
-    modules = {
-        name: tiny.random_module("pos_corr", 64, 4, 8, seed=i)
-        for i, name in enumerate(["math", "code"])
-    }
-    entry = {"module": "pos_corr", "rank": 4, "max_positions": 8}
-    tiny.write_surgery_folder(
-        merged / "surgery", modules, {"hidden_size": 64, "tasks": {"math": entry, "code": entry}}
+def test_an_unknown_surgery_task_is_one_line(merged_copy):
+    merged = merged_copy
+    tiny.write_surgery(
+        merged / "surgery", tiny.random_modules({"math": "pos_corr", "code": "pos_corr"}, 64, 4, 8)
     )
     args = [
         "--model", "hf-darts", "--model_args", f"pretrained={merged},surgery=maths",

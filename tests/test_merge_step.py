@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import inspect
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,39 +22,22 @@ import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 from safetensors.torch import load_file
+from tiny import (
+    BIN,
+    METHODS,
+    ONE_TASK,
+    SURGERY,
+    hooked_merge,
+    merge_recipe,
+    merge_yaml,
+    script_env,
+)
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import load_surgery, run_surgery
 from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError, SurgeryRunError
 from mergekit_darts.integrations.mergekit_hook import merge_with_surgery, refuse_unread_block
 
-BIN = Path(sys.executable).parent
-
-
-def weighted(**extra) -> dict:
-    return {
-        "base_model": "./base",
-        "models": [
-            {"model": "./math", "parameters": {"weight": 0.5, **extra}},
-            {"model": "./code", "parameters": {"weight": 0.5, **extra}},
-        ],
-    }
-
-
-METHODS = {
-    "linear": {"models": weighted()["models"]},
-    "task_arithmetic": weighted(),
-    "ties": weighted(density=0.5),
-    "dare_ties": weighted(density=0.5),
-    "dare_linear": weighted(density=0.5),
-    "breadcrumbs": weighted(density=0.8, gamma=0.05),
-    "della": weighted(density=0.5, epsilon=0.1),
-    "slerp": {
-        "base_model": "./math",
-        "models": [{"model": "./math"}, {"model": "./code"}],
-        "parameters": {"t": 0.5},
-    },
-}
 # Stock flags that must keep working next to the surgery block (mergekit's own options).
 FLAGS = {
     "ties": ["--lazy-unpickle"],
@@ -64,44 +46,6 @@ FLAGS = {
     "slerp": ["--allow-crimes", "--copy-tokenizer"],
 }
 VIA_DARTS_CLI = "della"  # the one method run through `mergekit-darts merge`
-
-SURGERY = {
-    "steps": 20,
-    "batch_size": 4,
-    "select": "off",  # the paper's recipe: every task trains its module (the default may keep none)
-    "tasks": [
-        {
-            "name": "math",
-            "target": "./math",
-            "eval_tasks": ["tiny_math"],
-            "calibration": {
-                "path": "data/math.jsonl",
-                "field": "question",
-                "num_samples": 6,
-                "max_length": 24,
-            },
-        },
-        {
-            "name": "code",
-            "target": "./code",
-            "loss": "l1",
-            "calibration": {
-                "path": "data/code.jsonl",
-                "template": "{question}",
-                "num_samples": 6,
-                "max_length": 24,
-                "continuation_tokens": 4,
-            },
-        },
-    ],
-}
-
-
-def merge_yaml(method: str, surgery: dict | None = SURGERY) -> str:
-    config = {"merge_method": method, **METHODS[method], "dtype": "float32"}
-    if surgery is not None:
-        config["surgery"] = surgery
-    return yaml.safe_dump(config, sort_keys=False)
 
 
 @dataclass
@@ -117,26 +61,6 @@ class Run:
         return json.loads((self.out / "surgery" / "manifest.json").read_text())
 
 
-def env(**changes: str) -> dict[str, str]:
-    # One thread per process: two subprocesses share two cores, and torch's default of one
-    # thread per core makes tiny models orders of magnitude slower under contention.
-    base = {k: v for k, v in os.environ.items() if k != "DARTS_NO_HOOK"}
-    return base | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"} | changes
-
-
-@pytest.fixture(scope="module")
-def workdir(tiny_family, calibration_data, tmp_path_factory) -> Path:
-    """A folder laid out like a user's: ./base ./math ./code ./data, YAML paths relative to it."""
-    root = tmp_path_factory.mktemp("work")
-    for name in ("base", "math", "code"):
-        (root / name).symlink_to(getattr(tiny_family, name))
-    shutil.copytree(calibration_data, root / "data")
-    broken = Path(shutil.copytree(tiny_family.code, root / "broken"))
-    weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])  # config intact, weights unreadable
-    return root
-
-
 @pytest.fixture(scope="module")
 def runs(workdir, tiny_merged) -> dict[str, Run]:
     """Every console-script run of this module, two at a time (they are import-bound)."""
@@ -149,7 +73,7 @@ def runs(workdir, tiny_merged) -> dict[str, Run]:
         (folder / "merge.yml").write_text(yaml_text)
         named = {"merge.yml": str(folder / "merge.yml"), "out": str(folder / "out")}
         argv = [str(BIN / command[0]), *(named.get(arg, arg) for arg in command[1:])]
-        jobs[name] = (argv, env(**env_changes), folder / "out")
+        jobs[name] = (argv, script_env(**env_changes), folder / "out")
         return folder / "out"
 
     def stale_surgery(out: Path) -> None:
@@ -276,11 +200,7 @@ def absolute(surgery: dict, root: Path) -> dict:
     return block
 
 
-@pytest.fixture
-def merged_copy(tiny_merged, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
-
-
+@pytest.mark.slow
 def test_tasks_cost_one_load_per_distinct_model_one_at_a_time(
     workdir, merged_copy, monkeypatch, capsys
 ):
@@ -310,6 +230,7 @@ def test_tasks_cost_one_load_per_distinct_model_one_at_a_time(
     assert "math_generated" in table and "ρ_L1" in table
 
 
+@pytest.mark.slow
 def test_same_config_and_seed_give_identical_bytes(workdir, tiny_merged, tmp_path):
     block = absolute(SURGERY, workdir)
     outputs = []
@@ -323,6 +244,7 @@ def test_same_config_and_seed_give_identical_bytes(workdir, tiny_merged, tmp_pat
         assert (outputs[0] / file).read_bytes() == (outputs[1] / file).read_bytes(), file
 
 
+@pytest.mark.slow
 def test_manifest_and_diagnostics(workdir, merged_copy):
     manifest = run_surgery(merged_copy, absolute(SURGERY, workdir), progress=False)
     assert set(manifest["versions"]) == {"mergekit-darts", "mergekit", "torch", "transformers"}
@@ -347,6 +269,7 @@ def test_manifest_and_diagnostics(workdir, merged_copy):
     assert diag["input_ids"].shape == diag["delta_before"].shape
 
 
+@pytest.mark.slow
 def test_failure_with_overwrite_keeps_the_old_surgery(workdir, merged_copy):
     run_surgery(merged_copy, absolute(SURGERY, workdir), progress=False)
     before = {p: p.read_bytes() for p in merged_copy.rglob("*") if p.is_file()}
@@ -359,6 +282,7 @@ def test_failure_with_overwrite_keeps_the_old_surgery(workdir, merged_copy):
     assert after == before
 
 
+@pytest.mark.slow
 def test_existing_surgery_needs_overwrite(workdir, merged_copy):
     block = absolute(SURGERY, workdir)
     run_surgery(merged_copy, block, progress=False)
@@ -401,6 +325,7 @@ def test_a_block_run_merge_was_not_given_stops_the_merge(workdir, tmp_path, monk
     refuse_unread_block(["/venv/bin/mergekit-multi", str(with_block), "--out-path", str(out)])
 
 
+@pytest.mark.slow
 def test_calibrate_with_a_new_block_updates_the_recorded_recipe(workdir, tmp_path, monkeypatch):
     """After `calibrate` with another block, mergekit_config.yml and the card's copy of it show
     the block that was run (as surgery/surgery.yml does); the merge part keeps its bytes."""
@@ -438,30 +363,16 @@ def test_calibrate_with_a_new_block_updates_the_recorded_recipe(workdir, tmp_pat
 
 # ---- a merge into a folder that holds a surgery of other weights ----------------------------------
 
-ONE_TASK = {**SURGERY, "steps": 2, "tasks": SURGERY["tasks"][:1]}
 
-
-def hooked_merge(out: Path, method: str, surgery: dict | None, **kwargs) -> None:
-    """``merge_with_surgery`` (the hook's wrapper) around the real, unwrapped ``run_merge``."""
-    source = merge_yaml(method, surgery)
-    merge_with_surgery(
-        inspect.unwrap(mergekit.merge.run_merge),
-        MergeConfiguration.model_validate(yaml.safe_load(source)),
-        str(out),
-        MergeOptions(quiet=True),
-        source,
-        **kwargs,
-    )
-
-
+@pytest.mark.slow
 def test_stock_remerge_sets_an_old_surgery_aside(workdir, tmp_path, monkeypatch):
     """`mergekit-yaml` without a block into a folder with surgery/: the surgery of the replaced
     weights is renamed aside (reported), and put back when the merge gives the same weights."""
     monkeypatch.chdir(workdir)
     out = tmp_path / "out"
-    hooked_merge(out, "task_arithmetic", ONE_TASK)
+    hooked_merge(merge_recipe("task_arithmetic", ONE_TASK), out)
     manifest = (out / "surgery" / "manifest.json").read_bytes()
-    hooked_merge(out, "task_arithmetic", None)  # the same merge again: same weights
+    hooked_merge(merge_recipe("task_arithmetic", None), out)  # the same merge again: same weights
     assert (out / "surgery" / "manifest.json").read_bytes() == manifest
     assert sorted(p.name for p in out.glob("surgery*")) == ["surgery"]
     load_surgery(out / "surgery")
@@ -470,7 +381,7 @@ def test_stock_remerge_sets_an_old_surgery_aside(workdir, tmp_path, monkeypatch)
     done = subprocess.run(
         [str(BIN / "mergekit-yaml"), str(tmp_path / "other.yml"), str(out)],
         cwd=workdir,
-        env=env(),
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -485,16 +396,17 @@ def test_stock_remerge_sets_an_old_surgery_aside(workdir, tmp_path, monkeypatch)
         load_surgery(aside, weights=out)
 
 
+@pytest.mark.slow
 def test_a_failure_after_the_merge_says_what_was_written(workdir, tmp_path, monkeypatch):
     """With the overwrite flag and a target that cannot load, the merge is written: the message
     says so, and where the previous surgery (of the replaced weights) went."""
     monkeypatch.chdir(workdir)
     out = tmp_path / "out"
-    hooked_merge(out, "task_arithmetic", ONE_TASK)
+    hooked_merge(merge_recipe("task_arithmetic", ONE_TASK), out)
     manifest = (out / "surgery" / "manifest.json").read_bytes()
     failing = {**ONE_TASK, "tasks": [{**ONE_TASK["tasks"][0], "target": "./broken"}]}
     with pytest.raises(SurgeryRunError) as info:
-        hooked_merge(out, "linear", failing, overwrite=True)
+        hooked_merge(merge_recipe("linear", failing), out, overwrite=True)
     (aside,) = out.glob("surgery.set-aside-*")
     message = str(info.value)
     assert "unchanged" not in message and "\n" not in message
@@ -507,12 +419,13 @@ def test_a_failure_after_the_merge_says_what_was_written(workdir, tmp_path, monk
     assert yaml.safe_load((out / "mergekit_config.yml").read_text())["merge_method"] == "linear"
 
     with pytest.raises(SurgeryRunError) as info:  # the same merge again: nothing is set aside
-        hooked_merge(out, "linear", failing, overwrite=True)
+        hooked_merge(merge_recipe("linear", failing), out, overwrite=True)
     assert str(info.value).endswith(
         f"; the merge was written to {out} (weights and recipe) and it has no surgery/"
     )
 
 
+@pytest.mark.slow
 def test_calibrate_does_not_invalidate_its_own_captures(workdir, tmp_path, monkeypatch):
     """`calibrate` records its block in mergekit_config.yml; the capture store's key of the merged
     model leaves that file out, so the next `calibrate --overwrite` loads no model at all."""
@@ -523,7 +436,7 @@ def test_calibrate_does_not_invalidate_its_own_captures(workdir, tmp_path, monke
     monkeypatch.chdir(workdir)
     out = tmp_path / "out"
     cached = {**ONE_TASK, "cache_dir": str(tmp_path / "cache")}
-    hooked_merge(out, "task_arithmetic", cached)
+    hooked_merge(merge_recipe("task_arithmetic", cached), out)
     for steps in (3, 4):  # each run records another block in the recipe
         block = tmp_path / f"steps{steps}.yml"
         block.write_text(yaml.safe_dump({"surgery": {**cached, "steps": steps}}))

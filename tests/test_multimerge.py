@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from tiny import surgery_block
 
 from mergekit_darts.integrations.multimerge import local_dir
 
@@ -24,18 +24,15 @@ BIN = Path(sys.executable).parent
 
 
 def block(target: str, steps: int = 5) -> dict:
-    return {
-        "select": "off",  # one trained module per stage
-        "steps": steps,
-        "batch_size": 4,
-        "tasks": [
-            {
-                "name": target,
-                "target": f"./{target}",
-                "calibration": {"path": "data/math.jsonl", "field": "question", "max_length": 24},
-            }
-        ],
-    }
+    return surgery_block(
+        f"./{target}",
+        "data/math.jsonl",
+        name=target,
+        calibration={"max_length": 24},
+        select="off",  # one trained module per stage
+        steps=steps,
+        batch_size=4,
+    )
 
 
 def recipe(final_steps: int = 5) -> str:
@@ -78,19 +75,11 @@ def multi(workdir: Path, name: str, text: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def workdir(tiny_family, calibration_data, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("multi")
-    for name in ("base", "math", "code"):
-        (root / name).symlink_to(getattr(tiny_family, name))
-    shutil.copytree(calibration_data, root / "data")
-    return root
-
-
-@pytest.fixture(scope="module")
 def merged(workdir) -> subprocess.CompletedProcess:
     return multi(workdir, "ok", recipe())
 
 
+@pytest.mark.slow
 def test_each_stage_runs_its_own_surgery(workdir, merged):
     assert merged.returncode == 0, merged.stderr[-3000:]
     for folder, task in ((workdir / "ok-inter" / "stage1", "code"), (workdir / "ok-out", "math")):
@@ -103,6 +92,7 @@ def test_each_stage_runs_its_own_surgery(workdir, merged):
     assert "./ok-inter/stage1" in readme and "huggingface.co/ok-inter" not in readme
 
 
+@pytest.mark.slow
 def test_lazy_rerun_skips_finished_stages_and_says_so(workdir, merged):
     assert merged.returncode == 0
     before = (workdir / "ok-out" / "surgery" / "math.safetensors").read_bytes()
@@ -112,6 +102,7 @@ def test_lazy_rerun_skips_finished_stages_and_says_so(workdir, merged):
     assert (workdir / "ok-out" / "surgery" / "math.safetensors").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_bad_block_in_a_later_stage_stops_before_any_merge(workdir):
     done = multi(workdir, "bad", recipe(final_steps=0))
     assert done.returncode != 0

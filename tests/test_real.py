@@ -27,10 +27,9 @@ from real import (
     build_real_merge,
     chat,
 )
+from reference import instance, logits_without_darts
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_export import logits_without_darts
-from test_hf_darts import instance
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_eval_darts.model import DartsHFLM

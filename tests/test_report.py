@@ -63,6 +63,7 @@ def _is_png(path):
     return path.is_file() and path.read_bytes()[:8] == PNG
 
 
+@pytest.mark.slow
 def test_report_renders_every_plot_from_the_pipeline_output(surgery_folder):
     path = write_report(surgery_folder, progress=False)
     out = surgery_folder / "surgery" / "report"
@@ -88,6 +89,7 @@ def test_report_renders_every_plot_from_the_pipeline_output(surgery_folder):
         assert f"loss counted: {entry['metrics']['rho_l1']:.3f};" in markdown
 
 
+@pytest.mark.slow
 def test_recompute_reproduces_stored_diagnostics_and_adds_entropy(surgery_folder):
     from mergekit_darts.artifacts import read_manifest
 
@@ -104,6 +106,7 @@ def test_recompute_reproduces_stored_diagnostics_and_adds_entropy(surgery_folder
         np.testing.assert_allclose(fresh[task].entropy, stored.entropy, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_report_command_recompute_writes_entropy_for_every_task(surgery_folder, tmp_path):
     run = CliRunner().invoke(
         report_command, [str(surgery_folder), "--recompute", "--quiet", "--output", str(tmp_path)]
@@ -113,6 +116,7 @@ def test_report_command_recompute_writes_entropy_for_every_task(surgery_folder, 
     assert "Diagnostics recomputed" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_report_without_diagnostics_says_how_to_get_them(surgery_folder, tmp_path):
     merged = tmp_path / "merged"
     shutil.copytree(surgery_folder, merged, symlinks=True)
@@ -127,6 +131,7 @@ def test_report_command_fails_in_one_line_without_surgery(tmp_path):
     assert run.exit_code == 1 and "no surgery manifest" in run.output
 
 
+@pytest.mark.slow
 def test_plot_functions_take_tensors_or_arrays(tmp_path):
     mask = torch.zeros(3, 6, dtype=torch.bool)
     mask[0, :6], mask[1, :4], mask[2, :2] = True, True, True
@@ -150,6 +155,7 @@ def test_plot_functions_take_tensors_or_arrays(tmp_path):
         plots.plot_entropy_by_position(torch.ones(2, 3), torch.ones(3, 2), tmp_path / "x.png")
 
 
+@pytest.mark.slow
 def test_report_link_points_at_the_report_from_the_card(surgery_folder):
     line = report_link_markdown("merged")
     assert "](surgery/report/report.md)" in line and "`mergekit-darts report merged`" in line

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_config import merge_config, odd, refuse  # noqa: F401  (odd: fixture)
+from tiny import merge_config, refuse
 
 from mergekit_darts.config import parse_surgery, route_tasks
 
@@ -112,7 +112,7 @@ BAD_ROUTE = [
 
 
 @pytest.fixture
-def odd_route(odd):  # noqa: F811
+def odd_route(odd):
     (odd / "bg.jsonl").write_text('{"text": "the sun and the moon"}\n{"text": "red blue"}\n')
     (odd / "one.jsonl").write_text('{"text": "the sun and the moon"}\n')
     return odd

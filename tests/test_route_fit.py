@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from lm_eval.api.instance import Instance
+from tiny import surgery_task
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_eval_darts.leakage import LeakageCheck
@@ -53,11 +54,9 @@ def write_prompts(folder: Path, seed: int = 0, count: int = 12) -> dict[str, Pat
 def routed_block(tiny_family, files: dict[str, Path], **route) -> dict:
     calibration = {"max_length": MAX_LENGTH}
     tasks = [
-        {
-            "name": name,
-            "target": str(getattr(tiny_family, name)),
-            "calibration": {"path": str(files[name]), **calibration},
-        }
+        surgery_task(
+            name, getattr(tiny_family, name), files[name], field=None, calibration=calibration
+        )
         for name in ("math", "code")
     ]
     background = {"path": str(files["general"]), **calibration}
@@ -93,6 +92,7 @@ def routed(tiny_family, tiny_merged, tmp_path_factory):
     return merged, block, files, manifest, loads
 
 
+@pytest.mark.slow
 def test_background_costs_no_extra_model_load(routed):
     _, _, _, manifest, loads = routed
     assert loads == ["math", "code", "merged"]  # targets once each, the merge once
@@ -101,6 +101,7 @@ def test_background_costs_no_extra_model_load(routed):
     assert manifest["captures"]["computed"] == 5
 
 
+@pytest.mark.slow
 def test_manifest_router_entry(routed):
     merged, _, files, manifest, _ = routed
     router = manifest["router"]
@@ -156,6 +157,7 @@ def _final_states(model, tokenizer, text: str) -> torch.Tensor:
     return out.hidden_states[-1][0].double()
 
 
+@pytest.mark.slow
 def test_held_out_numbers_recomputed_in_float64(routed):
     """Held-out prompts by their hashes, run through the merged model again; the stored gate in
     float64 must give the manifest's confusion and accuracies."""
@@ -188,6 +190,7 @@ def test_held_out_numbers_recomputed_in_float64(routed):
     assert held["sequence_accuracy"] == pytest.approx(sum(right_prompts) / 9)
 
 
+@pytest.mark.slow
 def test_routed_logits_match_a_float64_reference(routed):
     merged, _, files, _, _ = routed
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
@@ -208,6 +211,7 @@ def test_routed_logits_match_a_float64_reference(routed):
         assert torch.allclose(logits, expected, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_same_seed_same_router_bytes_another_seed_another_split(routed, tiny_family, tmp_path):
     merged, block, _, manifest, _ = routed
     again = Path(shutil.copytree(merged, tmp_path / "again"))
@@ -221,6 +225,7 @@ def test_same_seed_same_router_bytes_another_seed_another_split(routed, tiny_fam
     )
 
 
+@pytest.mark.slow
 def test_summary_and_card_show_the_router(routed, capsys):
     from rich.console import Console
 
@@ -237,6 +242,7 @@ def test_summary_and_card_show_the_router(routed, capsys):
     assert "router: held-out prompts" in text and f"{held['token_accuracy']:.3f}" in text
 
 
+@pytest.mark.slow
 def test_route_tasks_subset_without_background(routed, tiny_family, tmp_path):
     """`route.tasks` picks the gate's classes; a third task stays out of the gate."""
     merged, block, files, _, _ = routed
@@ -252,6 +258,7 @@ def test_route_tasks_subset_without_background(routed, tiny_family, tmp_path):
     assert load_routed(out / "surgery").router.weight.shape == (2, 64)
 
 
+@pytest.mark.slow
 def test_leakage_under_routed_checks_every_routed_task(routed):
     merged, _, files, _, _ = routed
     check = LeakageCheck(AutoTokenizer.from_pretrained(merged))

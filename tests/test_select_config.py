@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_config import block, merge_config, odd, refuse, task  # noqa: F401  (odd: fixture)
-from test_target_vocab import extended  # noqa: F401  (fixture)
+from tiny import change_block, change_task, merge_config, refuse
 
 from mergekit_darts.config import parse_surgery, resolve_tasks
 
@@ -20,51 +19,63 @@ def select(**changes) -> dict:
 
 
 BAD_SELECT = [
-    ("empty candidates", block(select={"candidates": []}), "surgery.select.candidates: must not"),
+    (
+        "empty candidates",
+        change_block(select={"candidates": []}),
+        "surgery.select.candidates: must not",
+    ),
     (
         "unknown key in a candidate",
-        block(select={"candidates": [{"modul": "standard"}]}),
+        change_block(select={"candidates": [{"modul": "standard"}]}),
         "surgery.select.candidates[0].modul: unknown key; allowed here: module, loss, rank",
     ),
     (
         "unknown module in a task's candidate",
-        task(1, select={"candidates": [{"module": "lora"}]}),
+        change_task(1, select={"candidates": [{"module": "lora"}]}),
         "surgery.tasks[1].select.candidates[0].module: 'lora' is not allowed",
     ),
-    ("holdout of 1", block(select=select(holdout=1.0)), "surgery.select.holdout: must be < 1"),
-    ("holdout of 0", block(select=select(holdout=0)), "surgery.select.holdout: must be > 0"),
-    ("task holdout above 1", task(0, holdout=1.5), "surgery.tasks[0].holdout: must be < 1"),
+    (
+        "holdout of 1",
+        change_block(select=select(holdout=1.0)),
+        "surgery.select.holdout: must be < 1",
+    ),
+    ("holdout of 0", change_block(select=select(holdout=0)), "surgery.select.holdout: must be > 0"),
+    ("task holdout above 1", change_task(0, holdout=1.5), "surgery.tasks[0].holdout: must be < 1"),
     (
         "unknown metric",
-        block(select=select(metric="accuracy")),
+        change_block(select=select(metric="accuracy")),
         "surgery.select.metric: 'accuracy' is not allowed; choose one of agreement, kl, rho_l1, "
         "completion_match, completion_agreement or completion_rho_l1",
     ),
-    ("unknown select key", block(select=select(folds=5)), "surgery.select.folds: unknown key"),
+    (
+        "unknown select key",
+        change_block(select=select(folds=5)),
+        "surgery.select.folds: unknown key",
+    ),
     (
         "holdout leaving no training prompt",
-        task(0, holdout=0.5, calibration={"num_samples": 1}),
+        change_task(0, holdout=0.5, calibration={"num_samples": 1}),
         "surgery.tasks[0].holdout: 0.5 of 1 prompt(s) holds out 1, leaving no prompt to train on",
     ),
     (
         "select holdout leaving no training prompt",
-        task(1, select=select(holdout=0.9), calibration={"num_samples": 2}),
+        change_task(1, select=select(holdout=0.9), calibration={"num_samples": 2}),
         "surgery.tasks[1].select.holdout: 0.9 of 2 prompt(s) holds out 2",
     ),
     (
         "holdout given twice on a task",
-        task(0, holdout=0.1, select=select()),
+        change_task(0, holdout=0.1, select=select()),
         "surgery.tasks[0].holdout: surgery.tasks[0].select.holdout sets the held-out fraction",
     ),
     (
         "candidate position table shorter than max_length",
-        block(select={"candidates": [{"loss": "l1"}, {"max_positions": 16}]}),
+        change_block(select={"candidates": [{"loss": "l1"}, {"max_positions": 16}]}),
         "surgery.select.candidates[1]: surgery.tasks[0].calibration.max_length: 512 exceeds "
         "max_positions 16",
     ),
     (
         "candidate trains on completions that do not exist",
-        task(0, select={"candidates": [{"loss_positions": "completion"}]}),
+        change_task(0, select={"candidates": [{"loss_positions": "completion"}]}),
         "surgery.tasks[0].select.candidates[0]: surgery.tasks[0].loss_positions: `completion` needs",
     ),
 ]
@@ -76,7 +87,7 @@ BAD_SELECT = [
 def test_bad_select_is_one_line_before_merging(
     tiny_family,
     calibration_data,
-    odd,  # noqa: F811
+    odd,
     tmp_path,
     mutate,
     expected,
@@ -91,7 +102,7 @@ def test_bad_select_is_one_line_before_merging(
 def test_logit_metrics_refuse_a_target_with_appended_tokens(
     tiny_family,
     calibration_data,
-    extended,  # noqa: F811
+    extended,
     tmp_path,
     metric,
 ):

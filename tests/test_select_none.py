@@ -10,17 +10,20 @@ import pytest
 import torch
 from rich.console import Console
 from safetensors.torch import load_file
-from tiny import build_tokenizer, save_model
+from tiny import build_tokenizer, save_model, surgery_task
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, load_surgery, run_surgery
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.integrations.card import print_summary
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 
 def _task(name: str, target: Path, data: Path, **settings) -> dict:
-    calibration = {"path": str(data / "math.jsonl"), "field": "question", "max_length": 16}
-    return {"name": name, "target": str(target), "calibration": calibration, **settings}
+    return surgery_task(
+        name, target, data / "math.jsonl", calibration={"max_length": 16}, **settings
+    )
 
 
 @pytest.fixture(scope="module")

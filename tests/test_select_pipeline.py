@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import build_tokenizer, tiny_config
+from tiny import build_tokenizer, surgery_block, tiny_config
 from transformers import GraniteConfig, GraniteForCausalLM
 
 from mergekit_darts import load_surgery, run_surgery
 from mergekit_darts.core import head
 from mergekit_darts.errors import SurgeryRunError
+
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
 
 CANDIDATES = [
     {"module": "standard", "loss": "l1"},
@@ -24,19 +26,15 @@ CANDIDATES = [
 
 
 def _block(tiny_family, calibration_data, continuation_tokens: int = 0, **task) -> dict:
-    calibration = {
-        "path": str(calibration_data / "math.jsonl"),
-        "field": "question",
-        "max_length": 24,
-        "continuation_tokens": continuation_tokens,
-    }
-    entry = {"name": "math", "target": str(tiny_family.math), "calibration": calibration}
-    return {"steps": 15, "batch_size": 4, "max_positions": 32, "tasks": [entry | task]}
-
-
-@pytest.fixture
-def merged_copy(tiny_merged, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+    return surgery_block(
+        tiny_family.math,
+        calibration_data / "math.jsonl",
+        calibration={"max_length": 24, "continuation_tokens": continuation_tokens},
+        task=task,
+        steps=15,
+        batch_size=4,
+        max_positions=32,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import save_model
+from tiny import save_model, surgery_task
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import run_surgery
@@ -36,10 +36,10 @@ def loads(monkeypatch) -> list[str]:
 
 
 @pytest.fixture
-def family(tiny_family, tiny_merged, calibration_data, tmp_path) -> dict[str, Path]:
+def family(tiny_family, merged_copy, calibration_data, tmp_path) -> dict[str, Path]:
     """Copies of the merge and both experts (tests rewrite them) and the calibration files."""
     return {
-        "merged": Path(shutil.copytree(tiny_merged, tmp_path / "merged")),
+        "merged": merged_copy,
         "math": Path(shutil.copytree(tiny_family.math, tmp_path / "math")),
         "code": Path(shutil.copytree(tiny_family.code, tmp_path / "code")),
         "data": calibration_data,
@@ -48,15 +48,13 @@ def family(tiny_family, tiny_merged, calibration_data, tmp_path) -> dict[str, Pa
 
 def block(family: dict[str, Path], cache_dir: Path | None = None) -> dict:
     """Three tasks over two targets: math twice (l1 and ewl1, one set of prompts), code once."""
-    calibration = {"field": "question", "num_samples": 6, "max_length": 16}
+    calibration = {"num_samples": 6, "max_length": 16}
+    math, code = family["data"] / "math.jsonl", family["data"] / "code.jsonl"
     tasks = [
-        {"name": "math", "target": str(family["math"]), "loss": "l1"},
-        {"name": "math_ewl1", "target": str(family["math"]), "eval_tasks": ["m2"]},
-        {"name": "code", "target": str(family["code"]), "module": "standard"},
+        surgery_task("math", family["math"], math, calibration=calibration, loss="l1"),
+        surgery_task("math_ewl1", family["math"], math, calibration=calibration, eval_tasks=["m2"]),
+        surgery_task("code", family["code"], code, calibration=calibration, module="standard"),
     ]
-    for task in tasks:
-        source = "code" if task["name"] == "code" else "math"
-        task["calibration"] = {"path": str(family["data"] / f"{source}.jsonl"), **calibration}
     config = {"steps": 6, "batch_size": 4, "rank": 4, "max_positions": 16, "tasks": tasks}
     config["select"] = "off"  # one module per task: the capture counts below are its
     config["cache_dtype"] = "float32"
@@ -69,6 +67,7 @@ def module_bytes(merged: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((merged / "surgery").glob("*.safetensors"))}
 
 
+@pytest.mark.slow
 def test_shared_target_loads_once_and_a_warm_store_loads_nothing(family, loads, tmp_path):
     cache = tmp_path / "cache"
     first = run_surgery(family["merged"], block(family, cache), progress=False)
@@ -82,6 +81,7 @@ def test_shared_target_loads_once_and_a_warm_store_loads_nothing(family, loads, 
     assert module_bytes(family["merged"]) == cold  # the store changes no number
 
 
+@pytest.mark.slow
 def test_sharing_and_the_store_change_no_byte(family, tmp_path):
     """Each task alone in its own block, no store: the same module bytes as the shared run."""
     config = block(family)
@@ -102,6 +102,7 @@ def rewrite_weights(folder: Path, seed: int) -> None:
     save_model(folder, AutoTokenizer.from_pretrained(folder), seed=seed)
 
 
+@pytest.mark.slow
 def test_changed_weights_or_tokenizer_mean_a_new_key(family, loads, tmp_path):
     cache = tmp_path / "cache"
     run_surgery(family["merged"], block(family, cache), progress=False)
@@ -124,6 +125,7 @@ def test_changed_weights_or_tokenizer_mean_a_new_key(family, loads, tmp_path):
     assert loads == ["code"]
 
 
+@pytest.mark.slow
 def test_card_and_surgery_do_not_change_a_models_key(family):
     key = model_identity(str(family["merged"]))
     run_surgery(family["merged"], block(family), progress=False)  # writes surgery/ and README.md
@@ -131,6 +133,7 @@ def test_card_and_surgery_do_not_change_a_models_key(family):
     assert model_identity("org/some-model") == "hub:org/some-model"
 
 
+@pytest.mark.slow
 def test_corrupt_or_partial_entry_is_recomputed_never_used(family, loads, tmp_path):
     cache = tmp_path / "cache"
     run_surgery(family["merged"], block(family, cache), progress=False)
@@ -172,6 +175,7 @@ def test_entry_that_does_not_fit_its_sequences_is_a_miss(tmp_path):
     assert "MiB" in store.summary() and "1 entries" in store.summary()
 
 
+@pytest.mark.slow
 def test_calibrate_cache_dir_option_overrides_the_block(family, loads, tmp_path):
     from click.testing import CliRunner
 
@@ -208,6 +212,7 @@ def _overwrite_hidden_bytes(entry: Path) -> None:
     entry.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_changed_tensor_bytes_under_an_intact_header_are_recomputed(family, loads, tmp_path):
     """Bit rot or a foreign writer is caught by the entry's checksum, never trained on."""
     cache = tmp_path / "cache"
@@ -255,6 +260,7 @@ def _poison(folder: Path) -> None:
     model.save_pretrained(folder)
 
 
+@pytest.mark.slow
 def test_a_model_computing_nan_stops_with_one_line_and_keeps_surgery(family, tmp_path):
     from mergekit_darts.errors import SurgeryRunError
 
@@ -283,6 +289,7 @@ def test_cache_dtype_overflow_is_named(family):
         capture(model, [[1, 2, 3]], cache_dtype=torch.float16, progress=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_warns_and_the_run_goes_on(family, loads, tmp_path, monkeypatch, caplog):
     """The optional store failing to write is one warning, not a failed run."""
     import errno

@@ -41,11 +41,10 @@ def write_routed(surgery: Path, seed: int = 0) -> None:
 
 
 @pytest.fixture
-def merged(tiny_merged: Path, tmp_path: Path) -> Path:
+def merged(merged_copy: Path) -> Path:
     """The tiny merge with a routed surgery/."""
-    folder = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
-    write_routed(folder / "surgery")
-    return folder
+    write_routed(merged_copy / "surgery")
+    return merged_copy
 
 
 def swap(a: Path, b: Path) -> None:

@@ -10,28 +10,18 @@ import logging
 import shutil
 
 import pytest
-from test_config import merge, merge_config, refuse
-from tiny import PROMPTS, build_bpe_tokenizer, build_tokenizer, save_model
+from tiny import (
+    PROMPTS,
+    build_bpe_tokenizer,
+    build_tokenizer,
+    merge,
+    merge_config,
+    refuse,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from mergekit_darts.config import check_targets, parse_surgery, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError
-
-
-@pytest.fixture(scope="module")
-def extended(tiny_family, tmp_path_factory):
-    """The math expert with one token appended to its tokenizer and embedding rows."""
-    root = tmp_path_factory.mktemp("extended")
-    tokenizer = build_tokenizer()
-    tokenizer.add_tokens(["[PAD]"])
-    save_model(root / "math_plus", tokenizer, seed=5)  # vocab_size = len(tokenizer): one more
-    swapped = root / "math_swapped"
-    save_model(swapped, tokenizer, seed=6)
-    spec = json.loads((swapped / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    vocab["cat"], vocab["dog"] = vocab["dog"], vocab["cat"]
-    (swapped / "tokenizer.json").write_text(json.dumps(spec))
-    return root
 
 
 def _with_target(config, target, **block):
@@ -61,6 +51,7 @@ def test_prefix_refuses_kl_and_moved_ids(tiny_family, calibration_data, extended
     assert "4 token/id pairs differ" in refuse(config, tmp_path / "b")
 
 
+@pytest.mark.slow
 def test_prefix_target_calibrates(tiny_family, calibration_data, extended, tmp_path):
     config = _with_target(
         merge_config(tiny_family, calibration_data), extended / "math_plus", target_vocab="prefix"
@@ -86,6 +77,7 @@ def _padded(config: dict) -> dict:
     return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target_vocab", ["exact", "prefix"])
 def test_padded_merged_vocabulary_calibrates(tiny_family, calibration_data, tmp_path, target_vocab):
     """mergekit pads 65 token rows to 128; every token keeps its id, so l1/ewl1 calibrate."""

@@ -5,11 +5,13 @@ check in test_target_vocab.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors import safe_open
-from test_config import merge
-from tiny import build_tokenizer
+from tiny import build_tokenizer, merge, surgery_block
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
+
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
 
 
 def test_gpt_neox_merge_with_surgery(calibration_data, tmp_path):
@@ -37,21 +39,14 @@ def test_gpt_neox_merge_with_surgery(calibration_data, tmp_path):
         "merge_method": "linear",
         "models": [{"model": f, "parameters": {"weight": 0.5}} for f in folders],
         "dtype": "float32",
-        "surgery": {
-            "steps": 5,
-            "tasks": [
-                {
-                    "name": "expert",
-                    "target": folders[1],
-                    "loss": "l1",
-                    "calibration": {
-                        "path": str(calibration_data / "math.jsonl"),
-                        "field": "question",
-                        "max_length": 24,
-                    },
-                }
-            ],
-        },
+        "surgery": surgery_block(
+            folders[1],
+            calibration_data / "math.jsonl",
+            name="expert",
+            calibration={"max_length": 24},
+            task={"loss": "l1"},
+            steps=5,
+        ),
     }
     out = tmp_path / "out"
     manifest = merge(config, out)

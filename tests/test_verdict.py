@@ -11,6 +11,7 @@ import pytest
 import torch
 from rich.console import Console
 from scipy.stats import binomtest
+from tiny import surgery_block, surgery_task
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, run_surgery
@@ -24,24 +25,26 @@ TOKENS = 3  # completion tokens: short, so that some held-out prompts match and 
 
 
 def _task(tiny_family, calibration_data, **settings) -> dict:
-    calibration = {
-        "path": str(calibration_data / "math.jsonl"),
-        "field": "question",
-        "max_length": 24,
-    }
-    task = {"name": "math", "target": str(tiny_family.math), "calibration": calibration}
-    return task | settings
+    return surgery_task(
+        "math",
+        tiny_family.math,
+        calibration_data / "math.jsonl",
+        calibration={"max_length": 24},
+        **settings,
+    )
 
 
 def _block(tiny_family, calibration_data, **settings) -> dict:
-    return {
-        "steps": 15,
-        "batch_size": 4,
-        "max_positions": 64,
-        "cache_dtype": "float32",
-        "tasks": [_task(tiny_family, calibration_data)],
+    return surgery_block(
+        tiny_family.math,
+        calibration_data / "math.jsonl",
+        calibration={"max_length": 24},
+        steps=15,
+        batch_size=4,
+        max_positions=64,
+        cache_dtype="float32",
         **settings,
-    }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +269,7 @@ def _teacher_forced_agreement(model, ids: list[int], completion: list[int]) -> f
     return float((mine[start:end] == wanted).double().mean())
 
 
+@pytest.mark.slow
 def test_teacher_forced_match_is_greedy_generation_with_the_saved_module(verdict_run, tiny_family):
     merged, manifest = verdict_run
     entry = manifest["tasks"]["math"]
@@ -301,6 +305,7 @@ def test_teacher_forced_match_is_greedy_generation_with_the_saved_module(verdict
     assert all(r > 0 for r in chosen["completion_rho_l1"])
 
 
+@pytest.mark.slow
 def test_the_verdict_is_one_line_in_manifest_summary_and_card(verdict_run, capsys):
     merged, manifest = verdict_run
     selection = manifest["tasks"]["math"]["selection"]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from reference import BAD_SECTIONS
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mergekit_darts.deploy import modeling_darts
@@ -49,6 +50,7 @@ def exported_config() -> dict[str, Any]:
     return config
 
 
+@pytest.mark.slow
 def test_entry_point_imports_nothing_heavy_until_vllm_calls_it() -> None:
     entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     target = entry["vllm.general_plugins"]["mergekit-darts"]
@@ -61,6 +63,7 @@ def test_entry_point_imports_nothing_heavy_until_vllm_calls_it() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_darts_config_is_the_base_config_plus_the_darts_section() -> None:
     # what AutoConfig calls once the plugin has registered VllmDartsConfig for "darts" (not done
     # here: the registration would outlive this test and change how other tests' exports load)
@@ -111,20 +114,6 @@ def test_a_routed_and_a_none_config_read_as_a_single_one_does() -> None:
     assert dict(modeling_darts.surgery_for(VllmDartsConfig.from_dict(none)).state_dict()) == {}
 
 
-BAD_SECTIONS = [
-    ({"format": "other"}, "no 'darts-export' section"),
-    ({"version": 2}, "version 2"),
-    ({"base_model_type": "nonexistent"}, "base_model_type 'nonexistent'"),
-    ({"base_model_type": "darts"}, "base_model_type 'darts'"),
-    ({"base_architecture": None}, "no base_architecture"),
-    ({"module": "bogus"}, "darts.module 'bogus'"),
-    ({"rank": 0}, "positive integers"),
-    ({"hidden_size": "64"}, "positive integers"),
-    ({"prefix": ""}, "prefix"),
-    ({"prefix": "other."}, "prefix 'other.'"),
-]
-
-
 @pytest.mark.parametrize("change, message", BAD_SECTIONS)
 def test_a_bad_darts_section_gets_a_one_line_error(change: dict, message: str) -> None:
     assert darts_section is modeling_darts.darts_section  # the plugin checks what transformers does
@@ -154,6 +143,7 @@ CORRECTION = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module, loaded",
     [

@@ -17,14 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_identity import merge, one_task_block
-from test_merge_step import (  # noqa: F401  (workdir: a fixture)
+from tiny import (
     BIN,
     ONE_TASK,
-    env,
     hooked_merge,
+    merge_family,
+    merge_recipe,
     merge_yaml,
-    workdir,
+    one_task_block,
+    script_env,
 )
 
 from mergekit_darts import load_surgery, run_surgery
@@ -32,18 +33,20 @@ from mergekit_darts.calibrate import pipeline
 from mergekit_darts.errors import SurgeryRunError
 from mergekit_darts.identity import weights_identity
 
+pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
+
 CHANGED = "changed while calibrating"
 
 
 def test_weights_replaced_during_training_are_refused_at_write_time(
     tiny_family, calibration_data, tmp_path
 ):
-    out = merge(tiny_family, tmp_path / "merged")
+    out = merge_family(tiny_family, tmp_path / "merged")
     block = one_task_block(tiny_family, calibration_data)
 
     def remerge_while_training(phase: str) -> Any:
         if phase == "train":  # captured already: a second merge lands other weights
-            merge(tiny_family, out, math_weight=0.3)
+            merge_family(tiny_family, out, math_weight=0.3)
         return nullcontext()
 
     with pytest.raises(SurgeryRunError, match=CHANGED) as info:
@@ -69,7 +72,7 @@ def second_run_during_training(
         if not done:
             done.append(
                 subprocess.run(
-                    command, cwd=root, env=env(), capture_output=True, text=True, timeout=600
+                    command, cwd=root, env=script_env(), capture_output=True, text=True, timeout=600
                 )
             )
         return train_task(*args, **kwargs)
@@ -78,12 +81,12 @@ def second_run_during_training(
     return out, done
 
 
-def test_two_mergekit_yaml_runs_into_one_folder(workdir, tmp_path, monkeypatch):  # noqa: F811
+def test_two_mergekit_yaml_runs_into_one_folder(workdir, tmp_path, monkeypatch):
     """A (task_arithmetic) trains while B (linear, other weights) merges and calibrates into the
     same out/: B's surgery stays with B's weights, A stops with one line."""
     out, done = second_run_during_training(workdir, tmp_path, monkeypatch, "linear")
     with pytest.raises(SurgeryRunError, match=CHANGED) as info:
-        hooked_merge(out, "task_arithmetic", ONE_TASK)
+        hooked_merge(merge_recipe("task_arithmetic", ONE_TASK), out)
     assert done[0].returncode == 0, done[0].stderr[-3000:]
     assert "\n" not in str(info.value)
     manifest = json.loads((out / "surgery" / "manifest.json").read_text())
@@ -93,7 +96,7 @@ def test_two_mergekit_yaml_runs_into_one_folder(workdir, tmp_path, monkeypatch):
 
 
 def test_a_surgery_written_meanwhile_is_not_replaced_without_the_flag(
-    workdir,  # noqa: F811
+    workdir,
     tmp_path,
     monkeypatch,
 ):
@@ -101,7 +104,7 @@ def test_a_surgery_written_meanwhile_is_not_replaced_without_the_flag(
     finds B's surgery/ at write time and leaves it."""
     out, done = second_run_during_training(workdir, tmp_path, monkeypatch, "task_arithmetic")
     with pytest.raises(SurgeryRunError, match="appeared while calibrating") as info:
-        hooked_merge(out, "task_arithmetic", ONE_TASK)
+        hooked_merge(merge_recipe("task_arithmetic", ONE_TASK), out)
     assert done[0].returncode == 0, done[0].stderr[-3000:]
     assert "\n" not in str(info.value)
     manifest = json.loads((out / "surgery" / "manifest.json").read_text())

@@ -1,4 +1,6 @@
-"""Tiny real models for tests: a word-level tokenizer and random Llama checkpoints, built locally.
+"""What the tests share: tiny real models (a word-level tokenizer and random Llama checkpoints,
+built locally), surgery folders of random modules, surgery blocks and merge YAMLs, and the runs of
+the real mergekit they go through.
 
 Experts are the base plus seeded noise on every weight, so a mergekit merge of them really
 differs from each expert (the surgery has something to correct) while all share one tokenizer.
@@ -6,16 +8,30 @@ differs from each expert (the surgery has something to correct) while all share 
 
 from __future__ import annotations
 
+import inspect
+import json
+import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import mergekit.merge
+import pytest
 import torch
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mergekit_darts.artifacts import write_surgery_folder
+from mergekit_darts.calibrate.data import load_prompts
+from mergekit_darts.config import parse_surgery, resolve_tasks
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.core.router import Router
+from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
 
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
 WORDS = (
@@ -90,6 +106,51 @@ def random_router(
     return router.eval()
 
 
+def random_modules(
+    kinds: dict[str, str],
+    hidden_size: int,
+    rank: int = 4,
+    max_positions: int = 10,
+    *,
+    seed: int = 0,
+    scale: float = 0.3,
+) -> dict[str, SurgeryModule]:
+    """One random module per task (name -> kind), seeded ``seed + 1``, ``seed + 2``, ... in order."""
+    return {
+        name: random_module(kind, hidden_size, rank, max_positions, seed=seed + i, scale=scale)
+        for i, (name, kind) in enumerate(kinds.items(), start=1)
+    }
+
+
+def write_surgery(
+    folder: Path,
+    modules: dict[str, SurgeryModule],
+    *,
+    router: Router | None = None,
+    entries: dict[str, dict[str, Any]] | None = None,
+    **manifest: Any,
+) -> Path:
+    """``folder`` (a ``surgery/`` folder) holding ``modules`` (name -> module), as the calibration
+    writes it: each task's entry states its module's kind, rank and table size plus
+    ``entries[name]``; ``router`` (with its manifest entry) when given; ``manifest`` adds top-level
+    keys (``vocab_size``, ``merged_identity``, ...)."""
+    entries = entries or {}
+    tasks = {
+        name: {
+            "module": module.kind,
+            "rank": module.rank,
+            "max_positions": module.max_positions,
+            **entries.get(name, {}),
+        }
+        for name, module in modules.items()
+    }
+    hidden_size = next(iter(modules.values())).hidden_size
+    content: dict[str, Any] = {"hidden_size": hidden_size, "tasks": tasks, **manifest}
+    if router is not None:
+        content["router"] = {"tasks": list(router.tasks), "background": router.background}
+    return write_surgery_folder(folder, modules, content, router=router)
+
+
 def write_routed_surgery(
     folder: Path,
     hidden_size: int,
@@ -104,21 +165,9 @@ def write_routed_surgery(
     """``folder`` (a ``surgery/`` folder) with one random module per task (name -> kind), weights
     of standard deviation ``scale``, and a random router over all of them; returns the modules by
     task name."""
-    modules = {
-        name: random_module(kind, hidden_size, rank, max_positions, seed=seed + i, scale=scale)
-        for i, (name, kind) in enumerate(kinds.items(), start=1)
-    }
+    modules = random_modules(kinds, hidden_size, rank, max_positions, seed=seed, scale=scale)
     router = random_router(hidden_size, list(kinds), background, seed=seed)
-    tasks = {
-        name: {"module": kind, "rank": rank, "max_positions": max_positions}
-        for name, kind in kinds.items()
-    }
-    manifest = {
-        "hidden_size": hidden_size,
-        "tasks": tasks,
-        "router": {"tasks": list(kinds), "background": background},
-    }
-    write_surgery_folder(folder, modules, manifest, router=router)
+    write_surgery(folder, modules, router=router)
     return modules
 
 
@@ -210,3 +259,285 @@ def routed_merge_recipe(
             ],
         },
     }
+
+
+# ---- surgery blocks and merges ---------------------------------------------------------------------
+
+BIN = Path(sys.executable).parent  # the console scripts of the environment running the tests
+
+
+def surgery_task(
+    name: str,
+    target: str | Path,
+    prompts: str | Path,
+    /,
+    *,
+    field: str | None = "question",
+    calibration: dict[str, Any] | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    """One task of a surgery block: ``name`` calibrated toward ``target`` on the JSONL (or text)
+    file ``prompts``, read from ``field`` (none: the file's default); ``calibration`` adds
+    calibration keys, ``settings`` task keys (which may replace ``name`` or ``target``)."""
+    source: dict[str, Any] = {"path": str(prompts)}
+    if field is not None:
+        source["field"] = field
+    entry = {"name": name, "target": str(target), "calibration": source | (calibration or {})}
+    return entry | settings
+
+
+def surgery_block(
+    target: str | Path,
+    prompts: str | Path,
+    /,
+    *,
+    name: str = "math",
+    field: str | None = "question",
+    calibration: dict[str, Any] | None = None,
+    task: dict[str, Any] | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    """A one-task surgery block (``surgery_task`` with ``task`` as its task keys) with the block
+    keys ``settings``."""
+    entry = surgery_task(name, target, prompts, field=field, calibration=calibration, **task or {})
+    return {**settings, "tasks": [entry]}
+
+
+def one_task_block(family: Any, data: Path) -> dict[str, Any]:
+    """A quick block: task math of ``family``, four prompts of ``data/math.jsonl``, two steps."""
+    return surgery_block(
+        family.math,
+        data / "math.jsonl",
+        calibration={"num_samples": 4, "max_length": 16},
+        steps=2,
+        batch_size=4,
+    )
+
+
+def merge_family(family: Any, out: Path, math_weight: float = 0.5) -> Path:
+    """A task-arithmetic merge of ``family`` (``base``, ``math``, ``code`` folders) into ``out`` by
+    the real, unwrapped mergekit (no surgery step)."""
+    config = MergeConfiguration.model_validate(
+        {
+            "merge_method": "task_arithmetic",
+            "base_model": str(family.base),
+            "models": [
+                {"model": str(family.math), "parameters": {"weight": math_weight}},
+                {"model": str(family.code), "parameters": {"weight": 0.5}},
+            ],
+            "dtype": "float32",
+        }
+    )
+    inspect.unwrap(mergekit.merge.run_merge)(config, str(out), MergeOptions(quiet=True))
+    return out
+
+
+def merge_config(family: Any, data: Path) -> dict[str, Any]:
+    """A valid merge YAML (as a dict) of ``family`` with a two-task surgery block over the
+    calibration files in ``data``."""
+    return {
+        "merge_method": "task_arithmetic",
+        "base_model": str(family.base),
+        "models": [
+            {"model": str(family.math), "parameters": {"weight": 0.5}},
+            {"model": str(family.code), "parameters": {"weight": 0.5}},
+        ],
+        "dtype": "float32",
+        "surgery": {
+            "steps": 5,
+            "tasks": [
+                surgery_task("math", family.math, data / "math.jsonl"),
+                surgery_task(
+                    "code",
+                    family.code,
+                    data / "code.jsonl",
+                    field=None,
+                    calibration={"template": "{question}"},
+                ),
+            ],
+        },
+    }
+
+
+def hooked_merge(config: dict[str, Any], out: Path, **kwargs: Any) -> None:
+    """``merge_with_surgery`` (the hook's wrapper) around the real, unwrapped ``run_merge``, on the
+    merge YAML ``config`` (as a dict)."""
+    merge_with_surgery(
+        inspect.unwrap(mergekit.merge.run_merge),
+        MergeConfiguration.model_validate(config),
+        str(out),
+        MergeOptions(quiet=True),
+        yaml.safe_dump(config, sort_keys=False),
+        **kwargs,
+    )
+
+
+def merge(config: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Run the hook's merge path (real mergekit, then the surgery); returns the manifest."""
+    hooked_merge(config, out)
+    return json.loads((out / "surgery" / "manifest.json").read_text())
+
+
+def refuse(config: dict[str, Any], out: Path) -> str:
+    """Run the hook's merge path with the real mergekit; it must fail before writing anything."""
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else None
+    with pytest.raises(SurgeryConfigError) as info:
+        merge(config, out)
+    after = sorted(p.name for p in out.iterdir()) if out.exists() else None
+    assert after == before, "a refused surgery block must leave the output folder untouched"
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def change_task(index: int, **changes: Any) -> Callable[[dict, Path], None]:
+    """A change to ``merge_config``'s task ``index`` (callable values get the odd-files folder;
+    ``None`` removes a key, ``calibration`` updates the calibration)."""
+
+    def mutate(config: dict, odd: Path) -> None:
+        entry = config["surgery"]["tasks"][index]
+        for key, value in changes.items():
+            value = value(odd) if callable(value) else value
+            if key == "calibration":
+                entry["calibration"].update(value)
+            elif value is None:
+                entry.pop(key)
+            else:
+                entry[key] = value
+
+    return mutate
+
+
+def change_block(**changes: Any) -> Callable[[dict, Path], None]:
+    """A change to ``merge_config``'s surgery block keys."""
+
+    def mutate(config: dict, odd: Path) -> None:
+        config["surgery"].update(changes)
+
+    return mutate
+
+
+def task_prompts(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, calibration: dict[str, Any]
+) -> tuple[str, ...]:
+    """The prompts one task with ``calibration`` reads, relative paths resolved from ``folder``."""
+    monkeypatch.chdir(folder)  # relative paths resolve from the working directory
+    config = parse_surgery({"tasks": [{"name": "t", "target": "./t", "calibration": calibration}]})
+    return load_prompts(resolve_tasks(config)[0]).texts
+
+
+# ---- a user's folder: ./base ./math ./code ./data, merge YAMLs with relative paths ---------------
+
+
+def _weighted(**extra: Any) -> dict[str, Any]:
+    return {
+        "base_model": "./base",
+        "models": [
+            {"model": "./math", "parameters": {"weight": 0.5, **extra}},
+            {"model": "./code", "parameters": {"weight": 0.5, **extra}},
+        ],
+    }
+
+
+METHODS = {
+    "linear": {"models": _weighted()["models"]},
+    "task_arithmetic": _weighted(),
+    "ties": _weighted(density=0.5),
+    "dare_ties": _weighted(density=0.5),
+    "dare_linear": _weighted(density=0.5),
+    "breadcrumbs": _weighted(density=0.8, gamma=0.05),
+    "della": _weighted(density=0.5, epsilon=0.1),
+    "slerp": {
+        "base_model": "./math",
+        "models": [{"model": "./math"}, {"model": "./code"}],
+        "parameters": {"t": 0.5},
+    },
+}
+
+SURGERY = {  # as a user writes it: relative paths, keys in YAML order
+    "steps": 20,
+    "batch_size": 4,
+    "select": "off",  # the paper's recipe: every task trains its module (the default may keep none)
+    "tasks": [
+        {
+            "name": "math",
+            "target": "./math",
+            "eval_tasks": ["tiny_math"],
+            "calibration": {
+                "path": "data/math.jsonl",
+                "field": "question",
+                "num_samples": 6,
+                "max_length": 24,
+            },
+        },
+        {
+            "name": "code",
+            "target": "./code",
+            "loss": "l1",
+            "calibration": {
+                "path": "data/code.jsonl",
+                "template": "{question}",
+                "num_samples": 6,
+                "max_length": 24,
+                "continuation_tokens": 4,
+            },
+        },
+    ],
+}
+ONE_TASK = {**SURGERY, "steps": 2, "tasks": SURGERY["tasks"][:1]}
+
+
+def merge_recipe(method: str, surgery: dict[str, Any] | None = SURGERY) -> dict[str, Any]:
+    """The merge YAML (as a dict) of ``method`` over a ``workdir``, with ``surgery`` as its block."""
+    config = {"merge_method": method, **METHODS[method], "dtype": "float32"}
+    if surgery is not None:
+        config["surgery"] = surgery
+    return config
+
+
+def merge_yaml(method: str, surgery: dict[str, Any] | None = SURGERY) -> str:
+    return yaml.safe_dump(merge_recipe(method, surgery), sort_keys=False)
+
+
+def script_env(**changes: str) -> dict[str, str]:
+    """The environment for a console script run by a test: the hook on, offline, one thread."""
+    # One thread per process: two subprocesses share two cores, and torch's default of one
+    # thread per core makes tiny models orders of magnitude slower under contention.
+    base = {k: v for k, v in os.environ.items() if k != "DARTS_NO_HOOK"}
+    return base | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"} | changes
+
+
+# ---- lm-eval tasks for sweeps ------------------------------------------------------------------------
+
+EVAL_TASKS = ["sweep_a", "sweep_b"]
+CHOICE_ITEMS = [
+    ("question : two plus three is", ["five", "six", "seven"]),
+    ("repeat the word cat", ["cat", "dog", "red"]),
+    ("reverse red blue", ["blue red", "red blue", "green"]),
+    ("def add ( x , y ) : return", ["x plus y", "x minus y", "x times y"]),
+    ("question : nine minus four is", ["five", "four", "nine"]),
+]
+
+
+def write_choice_tasks(folder: Path) -> None:
+    """Two offline multiple-choice lm-eval tasks (``EVAL_TASKS``) over one local jsonl (absolute
+    path) in the new folder ``folder``."""
+    folder.mkdir()
+    data = folder / "items.jsonl"
+    data.write_text(
+        "".join(json.dumps({"q": q, "choices": c, "answer": 0}) + "\n" for q, c in CHOICE_ITEMS)
+    )
+    for name in EVAL_TASKS:
+        config = {
+            "task": name,
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test",
+            "output_type": "multiple_choice",
+            "doc_to_text": "{{q}}",
+            "doc_to_choice": "{{choices}}",
+            "doc_to_target": "{{answer}}",
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+            "metadata": {"version": 1.0},
+        }
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(config))
