@@ -459,8 +459,8 @@ def test_a_changed_task_file_rescores_the_cells(
     data |= {"output": str(tmp_path / "out"), "baseline": False, "grid": {"seed": [0]}}
     path = tmp_path / "sweep.yml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    evaluate = Counting(sweep_cell.evaluate)
-    monkeypatch.setattr(sweep_cell, "evaluate", evaluate)
+    evaluate = Counting(sweep_cell.score_surgery)
+    monkeypatch.setattr(sweep_cell, "score_surgery", evaluate)
 
     def run(output: str = "out") -> dict:
         (record,) = sweep.run_sweep(sweep.load_spec(path), tmp_path / output)
