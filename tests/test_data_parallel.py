@@ -16,6 +16,7 @@ command evaluates everything in one process.
 Each configuration runs once with two processes and once with one (plain ``python -m lm_eval``);
 ``--limit 5`` gives every task 5 documents, 3 on rank 0 and 2 on rank 1. ``--batch_size 1`` gives
 each request the same shape in both runs, so loglikelihoods and generations must be identical.
+The last test runs HFLM's tensor-parallel path (``tp_plan``) under ``torchrun``, unshimmed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import pytest
 import tiny
+import torch
 
 TESTS = Path(__file__).parent
 TASKS_DIR = TESTS / "lm_eval_tasks"
@@ -172,3 +174,62 @@ def test_configurations_differ(runs: dict) -> None:
     for task in (MC, PPL):
         auto, routed = (samples(runs[(c, 1)][1], task) for c in CONFIGS)
         assert auto != routed, task
+
+
+# --- tensor parallel: HFLM's tp_plan path under torchrun ---------------------------------------
+
+
+def test_tensor_parallel_logits_match_one_process(merged: Path, tmp_path: Path) -> None:
+    """``hf-darts`` with ``tp_plan=auto`` on two CPU processes (gloo), nothing shimmed.
+
+    transformers shards every decoder layer and the LM head (vocabulary split 33 + 32 over the
+    two ranks, its output gathered); the correction hooks the head's input, the replicated full
+    hidden state. Each rank's logits must equal the float64 reference and one-process hf-darts.
+    """
+    from safetensors.torch import load_file
+    from test_hf_darts import reference_logits
+    from transformers import AutoModelForCausalLM
+
+    from lm_eval_darts.model import DartsHFLM
+
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    }
+    run = subprocess.run(
+        [
+            str(PYTHON.parent / "torchrun"),
+            "--nproc_per_node",
+            str(WORLD),
+            "--master_port",
+            "29541",
+            str(TESTS / "tp_worker.py"),
+            str(merged),
+            "math",
+            str(tmp_path),
+        ],  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    one = DartsHFLM(pretrained=str(merged), surgery="math", device="cpu", dtype="float32")
+    plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    vocab, hidden = plain.config.vocab_size, plain.config.hidden_size
+    module = one.surgery.modules["math"]
+    shapes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert all(s["tp_size"] == WORLD and s["q_proj"] == [hidden // WORLD, hidden] for s in shapes)
+    head_rows = [s["lm_head"][0] for s in shapes]  # each rank holds part of the vocabulary
+    assert sum(head_rows) == vocab and max(head_rows) < vocab
+    for rank in range(WORLD):
+        logits = load_file(tmp_path / f"rank{rank}.safetensors")
+        for i, prompt in enumerate(tiny.PROMPTS):
+            ids = one.tok_encode(prompt)
+            got = logits[f"p{i}"]
+            assert got.shape == (len(ids), vocab)
+            torch.testing.assert_close(
+                got.double(), reference_logits(plain, module, ids), rtol=0, atol=1e-5
+            )
+            torch.testing.assert_close(
+                got, one._model_call(torch.tensor([ids]))[0], rtol=0, atol=1e-5
+            )
