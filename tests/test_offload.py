@@ -18,12 +18,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts.calibrate.capture import Captured, capture
+from mergekit_darts.calibrate.continuation import eos_token_ids, greedy_completions
 from mergekit_darts.calibrate.train import TrainSettings, train_surgery
 from mergekit_darts.core.modules import build_module
 
 
-def load(folder: Path, offload: Path | None = None) -> Any:
-    """The model whole in memory, or split: the embeddings and layer 0 on the CPU, the rest on disk."""
+def load(folder: Path, offload: Path | None = None, split: bool = True) -> Any:
+    """The model whole in memory, or offloaded: ``split``, the embeddings and layer 0 on the CPU
+    and the rest on disk; otherwise all of it on disk."""
     if offload is None:
         return AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
     whole = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
@@ -32,7 +34,7 @@ def load(folder: Path, offload: Path | None = None) -> Any:
     embed, head = size["model.embed_tokens.weight"], size["lm_head.weight"]
     # accelerate keeps room for the largest offloaded layer on the CPU: the embeddings, layer 0
     # and that room fit; the whole model (two layers and the head) does not
-    budget = embed + 2 * layer + head // 2
+    budget = embed + 2 * layer + head // 2 if split else embed // 2
     model = AutoModelForCausalLM.from_pretrained(
         folder,
         dtype="auto",
@@ -41,8 +43,12 @@ def load(folder: Path, offload: Path | None = None) -> Any:
         offload_folder=str(offload),
     )
     placed = model.hf_device_map
-    assert placed["model.layers.0"] == "cpu" and placed["model.layers.1"] == "disk", placed
-    assert placed["lm_head"] == "disk" and model.get_output_embeddings().weight.is_meta
+    if split:
+        assert placed["model.layers.0"] == "cpu" and placed["model.layers.1"] == "disk", placed
+        assert placed["lm_head"] == "disk"
+    else:
+        assert placed == {"": "disk"}, placed
+    assert model.get_output_embeddings().weight.is_meta
     return model.eval()
 
 
@@ -67,22 +73,27 @@ def sequences(tiny_family: Any) -> list[list[int]]:
     return [tokenizer(p)["input_ids"] for p in tiny_family.prompts]
 
 
-@pytest.mark.parametrize("loss", ["ewl1", "kl"])
-def test_split_model_captures_and_trains_like_whole(
-    tiny_merged: Path, tiny_family: Any, sequences: list, tmp_path: Path, loss: str
+@pytest.mark.parametrize(("loss", "split"), [("ewl1", True), ("kl", True), ("kl", False)])
+def test_offloaded_model_captures_and_trains_like_whole(
+    tiny_merged: Path, tiny_family: Any, sequences: list, tmp_path: Path, loss: str, split: bool
 ) -> None:
     found = {}
     for how, offload in (("whole", None), ("split", tmp_path / "offload")):
-        merged, _ = captures(load(tiny_merged, offload and offload / "merged"), sequences)
-        _, target = captures(load(tiny_family.math, offload and offload / "math"), sequences)
+        merged, _ = captures(load(tiny_merged, offload and offload / "merged", split), sequences)
+        target_model = load(tiny_family.math, offload and offload / "math", split)
+        _, target = captures(target_model, sequences)
+        eos = eos_token_ids(target_model)
+        generated = greedy_completions(
+            target_model, sequences, max_new_tokens=4, eos_ids=eos, batch_size=4, progress=False
+        )
         module = build_module("pos_corr", merged.hidden.shape[-1], 4, 12, seed=0)
         settings = TrainSettings(loss=loss, steps=20, lr=1e-2, batch_size=4, seed=0)
-        found[how] = (
-            merged,
-            target,
-            train_surgery(module, merged, target, settings, progress=False),
-        )
-    (merged, target, whole), (split_merged, split_target, split) = found["whole"], found["split"]
+        trained = train_surgery(module, merged, target, settings, progress=False)
+        found[how] = (merged, target, trained, generated)
+    merged, target, whole, generated = found["whole"]
+    split_merged, split_target, split, split_generated = found["split"]
+    assert split_generated == generated  # a target's greedy continuations (continuation_tokens)
+    assert any(len(c) > 0 for c in generated)
     assert_same(merged, split_merged)
     assert_same(target, split_target)
     # the head is the checkpoint's own LM head (read from the file, not through the model)
