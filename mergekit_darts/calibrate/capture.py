@@ -71,9 +71,14 @@ def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Te
 
 
 def input_device(model: nn.Module) -> torch.device:
-    """Where a model wants its inputs: HF's ``model.device`` knows about ``device_map`` models."""
+    """Where a model wants its inputs: HF's ``model.device`` knows about ``device_map`` models.
+
+    With its first weights offloaded that is ``meta``; accelerate's hooks then move the inputs
+    to where each layer computes, so the CPU will do.
+    """
     device = getattr(model, "device", None)
-    return device if isinstance(device, torch.device) else next(model.parameters()).device
+    device = device if isinstance(device, torch.device) else next(model.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 ENTROPY_CHUNK = 64  # positions per token_entropy call: its float32 temporaries are [64, V]

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import align_module_device, has_offloaded_params
 from torch import nn
 
 from mergekit_darts.errors import HeadError
@@ -75,10 +76,15 @@ class OutputHead:
             value = float(getattr(config, attr))
             scale = 1.0 / value if divide else value
         softcap = getattr(config, SOFTCAP, None)
-        bias = getattr(head, "bias", None)
+        # accelerate keeps an offloaded head's weights on the meta device between forward passes
+        with align_module_device(head):
+            bias = getattr(head, "bias", None)
+            copy = has_offloaded_params(head)  # a copy outlives the onloaded tensors
+            weight = head.weight.detach().to(device, torch.float32, copy=copy)
+            bias = None if bias is None else bias.detach().to(device, torch.float32, copy=copy)
         return cls(
-            weight=head.weight.detach().to(device, torch.float32),
-            bias=None if bias is None else bias.detach().to(device, torch.float32),
+            weight=weight,
+            bias=bias,
             scale=scale,
             softcap=None if softcap is None else float(softcap),
             model_class=type(model).__name__,
