@@ -54,13 +54,12 @@ def load_diagnostics(surgery_dir: Path, entry: TaskEntry) -> Diagnostics | None:
     """The diagnostics the pipeline stored for one task, or None when there are none; a file
     that cannot be read is one line naming it (``--recompute`` does without it)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
-    name = entry.diagnostics
-    if not name or not (surgery_dir / name).is_file():
+    path = diagnostics_path(surgery_dir, entry)
+    if path is None:
         return None
     try:
-        tensors = {k: plots.as_array(v) for k, v in load_file(surgery_dir / name).items()}
+        tensors = {k: plots.as_array(v) for k, v in read_diagnostics(path).items()}
         mask = tensors["mask"] > 0
         return Diagnostics(
             delta_before=tensors["delta_before"],
@@ -72,22 +71,9 @@ def load_diagnostics(surgery_dir: Path, entry: TaskEntry) -> Diagnostics | None:
     except (OSError, SafetensorError, KeyError) as err:
         why = f"no tensor {err}" if isinstance(err, KeyError) else first_line(str(err))
         raise ReportError(
-            f"{surgery_dir / name} is not a readable diagnostics file ({why}): run "
+            f"{path} is not a readable diagnostics file ({why}): run "
             f"`mergekit-darts report {surgery_dir.parent} --recompute`, which computes them anew"
         ) from None
-    """The diagnostics the pipeline stored for one task, or None when there are none."""
-    path = diagnostics_path(surgery_dir, entry)
-    if path is None:
-        return None
-    tensors = {k: plots.as_array(v) for k, v in read_diagnostics(path).items()}
-    mask = tensors["mask"] > 0
-    return Diagnostics(
-        delta_before=tensors["delta_before"],
-        delta_after=tensors["delta_after"],
-        mask=mask,
-        loss_mask=tensors["loss_mask"] > 0 if "loss_mask" in tensors else mask,
-        entropy=tensors.get("entropy"),
-    )
 
 
 def position_bias_norm(surgery_dir: Path, task: str, entry: TaskEntry) -> np.ndarray | None:
