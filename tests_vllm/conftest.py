@@ -155,7 +155,8 @@ def backend_exported(tmp_path_factory: pytest.TempPathFactory):
 
 
 def float64_reference(exported: Exported):
-    """token ids -> [T, V] float64 log-probs of the next token at each position, with surgery.
+    """token ids -> [T, V] float64 log-probs (or with ``logits=True`` the logits) of the next token
+    at each position, with surgery.
 
     The merged model in float64, its final hidden states corrected by h - c(h) - b_p written out
     here, then the model's own LM head (bias included).
@@ -164,7 +165,7 @@ def float64_reference(exported: Exported):
     state = {k: v.double() for k, v in exported.module.state_dict().items()}
     head = model.get_output_embeddings()
 
-    def run(ids: list[int], surgery: bool = True) -> torch.Tensor:
+    def run(ids: list[int], surgery: bool = True, logits: bool = False) -> torch.Tensor:
         with torch.no_grad():
             h = model.base_model(torch.tensor([ids])).last_hidden_state[0].double()
             if surgery:
@@ -172,7 +173,7 @@ def float64_reference(exported: Exported):
                 bias = state["position_bias"][p.clamp(max=MAX_POSITIONS - 1)]
                 bias = bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
                 h = h - torch.relu(h @ state["down.weight"].T) @ state["up.weight"].T - bias
-            return torch.log_softmax(head(h), dim=-1)
+            return head(h) if logits else torch.log_softmax(head(h), dim=-1)
 
     return run
 
@@ -236,7 +237,7 @@ def routed_float64_reference(exported: Exported):
     state = {k: v.double() for k, v in exported.module.state_dict().items()}
     head = model.get_output_embeddings()
 
-    def run(ids: list[int], surgery: bool = True) -> torch.Tensor:
+    def run(ids: list[int], surgery: bool = True, logits: bool = False) -> torch.Tensor:
         with torch.no_grad():
             h = model.base_model(torch.tensor([ids])).last_hidden_state[0].double()
             if surgery:
@@ -254,7 +255,7 @@ def routed_float64_reference(exported: Exported):
                         c = c + bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
                     total = total + gate[:, k : k + 1] * c
                 h = h - total
-            return torch.log_softmax(head(h), dim=-1)
+            return head(h) if logits else torch.log_softmax(head(h), dim=-1)
 
     return run
 

@@ -6,6 +6,7 @@ entry point (nothing is imported or registered by the test itself).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import textwrap
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -110,17 +112,16 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def test_vllm_serve_answers_with_the_correction(routed_exported, tokenizer) -> None:
-    """``vllm serve`` of the ``--routed`` export: one folder, every domain's correction, no task
-    named in the request (the single-task export is served by the other engine tests)."""
-    exported = routed_exported["routed"]
-    reference = routed_float64_reference(exported)
+@contextlib.contextmanager
+def served(dest: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``vllm serve DEST ARGS`` with the tests' engine settings, bound to the loopback address
+    only; yields its base URL once ``/health`` answers, and stops the server on the way out."""
     port = free_port()
     server = subprocess.Popen(
         [
             BIN / "vllm",
             "serve",
-            exported.dest,
+            dest,
             "--host",
             "127.0.0.1",
             "--port",
@@ -136,10 +137,12 @@ def test_vllm_serve_answers_with_the_correction(routed_exported, tokenizer) -> N
             "0",
             "--gpu-memory-utilization",
             str(MEMORY_SHARE),
+            *args,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=os.environ | {"VLLM_LOGGING_LEVEL": "WARNING"},
+        env=os.environ | {"VLLM_LOGGING_LEVEL": "WARNING"} | (env or {}),
+        start_new_session=True,  # its engine and worker processes, to kill as one group
     )
     try:
         deadline = time.monotonic() + 300
@@ -151,9 +154,25 @@ def test_vllm_serve_answers_with_the_correction(routed_exported, tokenizer) -> N
             except OSError:
                 assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
                 time.sleep(2)
-        texts = ["question : two plus three is", "def add ( x , y ) : return"]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def test_vllm_serve_answers_with_the_correction(routed_exported, tokenizer) -> None:
+    """``vllm serve`` of the ``--routed`` export: one folder, every domain's correction, no task
+    named in the request (the single-task export is served by the other engine tests)."""
+    exported = routed_exported["routed"]
+    reference = routed_float64_reference(exported)
+    texts = ["question : two plus three is", "def add ( x , y ) : return"]
+    with served(exported.dest) as url:
         answers = post(
-            f"http://127.0.0.1:{port}/v1/completions",
+            f"{url}/v1/completions",
             {
                 "model": str(exported.dest),
                 "prompt": texts,
@@ -164,12 +183,6 @@ def test_vllm_serve_answers_with_the_correction(routed_exported, tokenizer) -> N
                 "return_tokens_as_token_ids": True,
             },
         )["choices"]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
     assert len(answers) == len(texts)
     errors = []
     for answer in answers:
