@@ -10,11 +10,17 @@ tests share one engine per model where they can.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,3 +280,69 @@ def copy_export(exported: Exported, folder: Path) -> Path:
     """A writable copy of the export, for tests that break it on purpose."""
     shutil.copytree(exported.dest, folder, symlinks=False)
     return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+@contextlib.contextmanager
+def served(dest: Path, *args: str) -> Iterator[str]:
+    """``vllm serve DEST ARGS`` with the tests' engine settings, bound to the loopback address
+    only; yields its base URL once ``/health`` answers, and stops the server on the way out."""
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            BIN / "vllm",
+            "serve",
+            dest,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--seed",
+            "0",
+            "--gpu-memory-utilization",
+            str(MEMORY_SHARE),
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ | {"VLLM_LOGGING_LEVEL": "WARNING"},
+        start_new_session=True,  # its engine and worker processes, to kill as one group
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, "vllm serve exited"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
+                time.sleep(2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -6,27 +6,22 @@ entry point (nothing is imported or registered by the test itself).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import textwrap
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from conftest import (
     BIN,
     ENGINE,
-    MAX_MODEL_LEN,
-    MEMORY_SHARE,
     Exported,
+    post,
     routed_float64_reference,
+    served,
 )
 from test_vllm_plugin import TOL
 from tiny import SPECIAL
@@ -96,72 +91,6 @@ def test_lm_eval_vllm_scores_what_hf_darts_scores(exported: Exported, tmp_path: 
 def words(responses: list) -> list[list[str]]:
     specials = re.compile("|".join(map(re.escape, SPECIAL)))
     return [specials.sub(" ", r[0][0]).split() for r in responses]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
-@contextlib.contextmanager
-def served(dest: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """``vllm serve DEST ARGS`` with the tests' engine settings, bound to the loopback address
-    only; yields its base URL once ``/health`` answers, and stops the server on the way out."""
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            BIN / "vllm",
-            "serve",
-            dest,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--block-size",
-            "32",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--seed",
-            "0",
-            "--gpu-memory-utilization",
-            str(MEMORY_SHARE),
-            *args,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=os.environ | {"VLLM_LOGGING_LEVEL": "WARNING"} | (env or {}),
-        start_new_session=True,  # its engine and worker processes, to kill as one group
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, "vllm serve exited"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
-                time.sleep(2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
 
 
 def test_vllm_serve_answers_with_the_correction(routed_exported, tokenizer) -> None:

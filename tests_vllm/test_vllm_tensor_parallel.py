@@ -26,8 +26,7 @@ import os
 
 import pytest
 import torch
-from conftest import Exported, float64_reference, routed_float64_reference
-from test_vllm_cli import post, served
+from conftest import Exported, float64_reference, post, routed_float64_reference, served
 from test_vllm_plugin import TOL, check_batch, check_prefix_cache, prompt, start_engine
 
 TP = 2
