@@ -96,7 +96,8 @@ test-vllm: install-vllm
 test-real: install install-vllm
 	$(BIN)/python -m pytest -q -m real tests && $(BIN_VLLM)/python -m pytest -q -m real tests_vllm
 
-## vLLM (with the plugin) vs hf-darts generate_until tokens/s -> benchmarks/results/bench-vllm.*
+## vLLM (with the plugin) vs hf-darts generate_until tokens/s, and the plugin vs plain vLLM on the
+## same merged weights (tokens/s, time to first token) -> benchmarks/results/bench-vllm.*
 bench-vllm: install-vllm
 	$(BIN_VLLM)/python -m benchmarks.vllm
 

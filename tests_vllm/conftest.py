@@ -10,11 +10,17 @@ tests share one engine per model where they can.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,7 +161,8 @@ def backend_exported(tmp_path_factory: pytest.TempPathFactory):
 
 
 def float64_reference(exported: Exported):
-    """token ids -> [T, V] float64 log-probs of the next token at each position, with surgery.
+    """token ids -> [T, V] float64 log-probs (or with ``logits=True`` the logits) of the next token
+    at each position, with surgery.
 
     The merged model in float64, its final hidden states corrected by h - c(h) - b_p written out
     here, then the model's own LM head (bias included).
@@ -164,7 +171,7 @@ def float64_reference(exported: Exported):
     state = {k: v.double() for k, v in exported.module.state_dict().items()}
     head = model.get_output_embeddings()
 
-    def run(ids: list[int], surgery: bool = True) -> torch.Tensor:
+    def run(ids: list[int], surgery: bool = True, logits: bool = False) -> torch.Tensor:
         with torch.no_grad():
             h = model.base_model(torch.tensor([ids])).last_hidden_state[0].double()
             if surgery:
@@ -172,7 +179,7 @@ def float64_reference(exported: Exported):
                 bias = state["position_bias"][p.clamp(max=MAX_POSITIONS - 1)]
                 bias = bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
                 h = h - torch.relu(h @ state["down.weight"].T) @ state["up.weight"].T - bias
-            return torch.log_softmax(head(h), dim=-1)
+            return head(h) if logits else torch.log_softmax(head(h), dim=-1)
 
     return run
 
@@ -236,7 +243,7 @@ def routed_float64_reference(exported: Exported):
     state = {k: v.double() for k, v in exported.module.state_dict().items()}
     head = model.get_output_embeddings()
 
-    def run(ids: list[int], surgery: bool = True) -> torch.Tensor:
+    def run(ids: list[int], surgery: bool = True, logits: bool = False) -> torch.Tensor:
         with torch.no_grad():
             h = model.base_model(torch.tensor([ids])).last_hidden_state[0].double()
             if surgery:
@@ -254,7 +261,7 @@ def routed_float64_reference(exported: Exported):
                         c = c + bias * (p < MAX_POSITIONS).double().unsqueeze(-1)
                     total = total + gate[:, k : k + 1] * c
                 h = h - total
-            return torch.log_softmax(head(h), dim=-1)
+            return head(h) if logits else torch.log_softmax(head(h), dim=-1)
 
     return run
 
@@ -273,3 +280,69 @@ def copy_export(exported: Exported, folder: Path) -> Path:
     """A writable copy of the export, for tests that break it on purpose."""
     shutil.copytree(exported.dest, folder, symlinks=False)
     return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+@contextlib.contextmanager
+def served(dest: Path, *args: str) -> Iterator[str]:
+    """``vllm serve DEST ARGS`` with the tests' engine settings, bound to the loopback address
+    only; yields its base URL once ``/health`` answers, and stops the server on the way out."""
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            BIN / "vllm",
+            "serve",
+            dest,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--seed",
+            "0",
+            "--gpu-memory-utilization",
+            str(MEMORY_SHARE),
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ | {"VLLM_LOGGING_LEVEL": "WARNING"},
+        start_new_session=True,  # its engine and worker processes, to kill as one group
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, "vllm serve exited"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
+                time.sleep(2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -10,21 +10,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import textwrap
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
 from conftest import (
     BIN,
     ENGINE,
-    MAX_MODEL_LEN,
-    MEMORY_SHARE,
     Exported,
+    post,
     routed_float64_reference,
+    served,
 )
 from test_vllm_plugin import TOL
 from tiny import SPECIAL
@@ -96,64 +93,15 @@ def words(responses: list) -> list[list[str]]:
     return [specials.sub(" ", r[0][0]).split() for r in responses]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
 def test_vllm_serve_answers_with_the_correction(routed_exported, tokenizer) -> None:
     """``vllm serve`` of the ``--routed`` export: one folder, every domain's correction, no task
     named in the request (the single-task export is served by the other engine tests)."""
     exported = routed_exported["routed"]
     reference = routed_float64_reference(exported)
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            BIN / "vllm",
-            "serve",
-            exported.dest,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--block-size",
-            "32",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--seed",
-            "0",
-            "--gpu-memory-utilization",
-            str(MEMORY_SHARE),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=os.environ | {"VLLM_LOGGING_LEVEL": "WARNING"},
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, "vllm serve exited"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
-                time.sleep(2)
-        texts = ["question : two plus three is", "def add ( x , y ) : return"]
+    texts = ["question : two plus three is", "def add ( x , y ) : return"]
+    with served(exported.dest) as url:
         answers = post(
-            f"http://127.0.0.1:{port}/v1/completions",
+            f"{url}/v1/completions",
             {
                 "model": str(exported.dest),
                 "prompt": texts,
@@ -164,12 +112,6 @@ def test_vllm_serve_answers_with_the_correction(routed_exported, tokenizer) -> N
                 "return_tokens_as_token_ids": True,
             },
         )["choices"]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
     assert len(answers) == len(texts)
     errors = []
     for answer in answers:

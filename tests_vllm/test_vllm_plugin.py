@@ -14,6 +14,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,8 +28,9 @@ def prompt(n: int, offset: int = 0) -> str:
     return " ".join(WORDS[(i + offset) % len(WORDS)] for i in range(n))
 
 
-def start_engine(exported: Exported):
-    """An engine with chunked prefill and prefix caching on, in small chunks."""
+def start_engine(exported: Exported, **overrides: Any):
+    """An engine with chunked prefill and prefix caching on, in small chunks (``overrides``: more
+    engine arguments, e.g. ``tensor_parallel_size``)."""
     from vllm import LLM
 
     return LLM(
@@ -37,7 +39,7 @@ def start_engine(exported: Exported):
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
         max_num_batched_tokens=32,  # a prompt longer than this is prefilled in chunks
-        **ENGINE,
+        **ENGINE | overrides,
     )
 
 
