@@ -10,9 +10,9 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mergekit_darts.demo import FamilyPaths, build_family
-from mergekit_darts.demo import family as family_module
-from mergekit_darts.demo.domains import DOMAIN_NAMES
+from demo import FamilyPaths, build_family
+from demo import family as family_module
+from demo.domains import DOMAIN_NAMES
 
 
 @pytest.fixture(scope="module")
