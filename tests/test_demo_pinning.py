@@ -68,10 +68,31 @@ def test_reexec_replaces_an_unpinned_process(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delitem(sys.modules, "torch")  # as at the top of `python -m demo`
     calls = []
     monkeypatch.setattr(pinning.os, "execve", lambda *args: calls.append(args))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     pinning.reexec_if_unpinned("demo", ["--scale", "tiny"])
     (exe, argv, env) = calls[0]
     assert argv == [sys.executable, "-m", "demo", "--scale", "tiny"]
     assert {k: env[k] for k in PINS} == PINS
+    # the checkout holding demo/ first, then what the caller had
+    checkout = str(Path(__file__).resolve().parents[1])
+    assert env["PYTHONPATH"].split(os.pathsep) == [checkout, "/elsewhere"]
+
+
+def test_python_m_demo_reexecs_and_runs_from_another_directory(tmp_path: Path) -> None:
+    """The real command, unpinned, started outside the checkout: the process it re-executes
+    into (the hostile shell always triggers one) imports `demo` and prints the help."""
+    checkout = Path(__file__).resolve().parents[1]
+    env = {**os.environ, **HOSTILE, "PYTHONPATH": str(checkout)}
+    env.pop(pinning.REEXEC_MARK, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "demo", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Usage: python -m demo" in done.stdout
 
 
 def test_reexec_refuses_once_torch_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
