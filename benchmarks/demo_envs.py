@@ -1,7 +1,7 @@
 """`make demo-envs`: `make demo` under four shell environments; `table.md` must be byte-identical.
 
 The demo pins the variables that decide float rounding and re-executes itself with them
-(mergekit_darts/demo/pinning.py); this check runs the real command, from scratch, under:
+(demo/pinning.py); this check runs the real command, from scratch, under:
 
 - ``pinned``: the caller's environment with the pins already set (no re-exec);
 - ``portable``: ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=2``;
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mergekit_darts.demo.pinning import PINS
+from demo.pinning import PINS
 
 ENVS: dict[str, dict[str, str]] = {
     "pinned": dict(PINS),

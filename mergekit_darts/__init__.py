@@ -16,8 +16,11 @@ export (transformers, vLLM). The subpackages read top-down; each imports only th
   recorded recipe, the model card;
 - ``deploy``: export (``modeling_darts.py`` is shipped inside every export next to
   ``core/correction.py``, importing only torch, transformers and that file) and ``vllm_plugin``;
-- ``analysis``: report, plots, statistics, sweeps; ``demo``: the embedded demo;
+- ``analysis``: report, plots, statistics, sweeps;
 - ``cli``: one thin file per command, imported only when that command runs.
+
+The demo (``python -m demo``) and the benchmarks live beside this package in the repository and
+are not installed with it; nothing here imports them.
 
 The public names load lazily (PEP 562): the startup hook imports
 ``mergekit_darts.integrations.mergekit_hook`` on every ``mergekit-yaml`` start, and that must not

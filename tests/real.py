@@ -23,7 +23,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from tiny import routed_merge_recipe
 
-from mergekit_darts.demo.smollm2 import smollm2_folder
+from demo.smollm2 import smollm2_folder
 
 BIN = Path(sys.executable).parent
 PERTURBED_LAYERS = range(26, 30)  # of 30

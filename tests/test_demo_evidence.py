@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mergekit_darts.demo.domains import DOMAIN_NAMES
-from mergekit_darts.demo.evidence import (
+from demo.domains import DOMAIN_NAMES
+from demo.evidence import (
     NONE_LABEL,
     Point,
     correlations,
@@ -126,7 +126,7 @@ def test_pooled_reads_several_results_files(tmp_path):
 
 
 def test_the_pooling_command_names_a_missing_results_file(tmp_path, capsys):
-    from mergekit_darts.demo.evidence import main
+    from demo.evidence import main
 
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path / "runs" / "results.json")])

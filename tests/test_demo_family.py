@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mergekit_darts.demo import FamilyPaths, build_family
-from mergekit_darts.demo import family as family_module
-from mergekit_darts.demo.domains import DOMAIN_NAMES
+from demo import FamilyPaths, build_family
+from demo import family as family_module
+from demo.domains import DOMAIN_NAMES
+from demo.family_io import family_paths
+from demo.pinning import pinned_env
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +114,40 @@ def test_build_is_deterministic(tiny_family: FamilyPaths, tmp_path: Path) -> Non
         weights = tiny_family.experts[domain] / "model.safetensors"
         assert (other.experts[domain] / "model.safetensors").read_bytes() == weights.read_bytes()
         assert other.eval_file(domain).read_text() == tiny_family.eval_file(domain).read_text()
+
+
+# model.safetensors sha256 of the tiny family (seed 0) as the sequential build wrote it (the base,
+# then each expert in turn from a copy of it, one process), under the pins and these versions
+SEQUENTIAL_TINY = {
+    "base": "90ab052afec2ffb293deb282452dfd3c3b4a96d21ea25550fc92a0f46a4bd40a",
+    "code": "c62c900db8d8c26d51afa63c65b5b86a167259e94bf9bd73d66df018df4b2adb",
+    "math": "621bffd1e8bae782dcf17b0724fcf730e87d0c90bc04709e1a2c8bd306dd6347",
+    "instruct": "b32f83b49203fb7f5194af73440eb7f338ad2352dbd01a76fc525db0146f0032",
+}
+RECORDED_UNDER = ("2.13.0+cpu", "5.25.0")  # torch, transformers
+BUILD = "import sys; from demo import build_family; build_family(sys.argv[1], 0, 'tiny', False)"
+
+
+@pytest.mark.slow
+def test_experts_trained_in_parallel_are_the_sequential_build_bit_for_bit(tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    if (torch.__version__, transformers.__version__) != RECORDED_UNDER:
+        pytest.skip(f"hashes recorded under torch, transformers {RECORDED_UNDER}")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the pins need an x86-64 CPU with AVX2")
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD, str(tmp_path)],
+        env=pinned_env(os.environ),  # as `python -m demo` runs it
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    family = family_paths(tmp_path)
+    folders = {"base": family.base, **family.experts}
+    built = {
+        name: hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+        for name, folder in folders.items()
+    }
+    assert built == SEQUENTIAL_TINY

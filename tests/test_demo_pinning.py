@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mergekit_darts.demo import pinning, run
-from mergekit_darts.demo.pinning import PINS, pinned_env, unpinned
+from demo import pinning, run
+from demo.pinning import PINS, pinned_env, unpinned
 
 HOSTILE = {
     "ATEN_CPU_CAPABILITY": "default",
@@ -65,13 +65,34 @@ def test_reexec_replaces_an_unpinned_process(monkeypatch: pytest.MonkeyPatch) ->
     for key, value in HOSTILE.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv(pinning.REEXEC_MARK, raising=False)
-    monkeypatch.delitem(sys.modules, "torch")  # as at the top of `python -m mergekit_darts.demo`
+    monkeypatch.delitem(sys.modules, "torch")  # as at the top of `python -m demo`
     calls = []
     monkeypatch.setattr(pinning.os, "execve", lambda *args: calls.append(args))
-    pinning.reexec_if_unpinned("mergekit_darts.demo", ["--scale", "tiny"])
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    pinning.reexec_if_unpinned("demo", ["--scale", "tiny"])
     (exe, argv, env) = calls[0]
-    assert argv == [sys.executable, "-m", "mergekit_darts.demo", "--scale", "tiny"]
+    assert argv == [sys.executable, "-m", "demo", "--scale", "tiny"]
     assert {k: env[k] for k in PINS} == PINS
+    # the checkout holding demo/ first, then what the caller had
+    checkout = str(Path(__file__).resolve().parents[1])
+    assert env["PYTHONPATH"].split(os.pathsep) == [checkout, "/elsewhere"]
+
+
+def test_python_m_demo_reexecs_and_runs_from_another_directory(tmp_path: Path) -> None:
+    """The real command, unpinned, started outside the checkout: the process it re-executes
+    into (the hostile shell always triggers one) imports `demo` and prints the help."""
+    checkout = Path(__file__).resolve().parents[1]
+    env = {**os.environ, **HOSTILE, "PYTHONPATH": str(checkout)}
+    env.pop(pinning.REEXEC_MARK, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "demo", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Usage: python -m demo" in done.stdout
 
 
 def test_reexec_refuses_once_torch_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,7 +100,7 @@ def test_reexec_refuses_once_torch_is_loaded(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     with pytest.raises(RuntimeError, match="before torch"):
-        pinning.reexec_if_unpinned("mergekit_darts.demo", [])
+        pinning.reexec_if_unpinned("demo", [])
 
 
 def _has_avx2() -> bool:
@@ -99,7 +120,7 @@ def test_a_real_reexec_starts_torch_with_the_avx2_kernels_and_mkl_compatible(
         textwrap.dedent(
             """
             import os, sys
-            from mergekit_darts.demo.pinning import PINS, apply_in_process, reexec_if_unpinned
+            from demo.pinning import PINS, apply_in_process, reexec_if_unpinned
             if __name__ == "__main__":
                 reexec_if_unpinned("darts_pin_probe", sys.argv[1:])
                 info = apply_in_process()

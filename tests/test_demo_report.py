@@ -9,10 +9,10 @@ import statistics
 
 import pytest
 
+from demo.domains import DOMAIN_NAMES
+from demo.evaluation import Evaluation
+from demo.report import Row, add_deltas, markdown_table, regime
 from mergekit_darts.analysis.stats import SeededCI, paired_bootstrap, seeded_bootstrap
-from mergekit_darts.demo.domains import DOMAIN_NAMES
-from mergekit_darts.demo.evaluation import Evaluation
-from mergekit_darts.demo.report import Row, add_deltas, markdown_table, regime
 from mergekit_darts.errors import ResultsError
 
 

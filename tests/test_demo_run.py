@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from mergekit_darts.demo.configs import (
+from demo.configs import (
     HEADLINE,
     METHODS,
     ROUTED_LABEL,
@@ -15,8 +15,8 @@ from mergekit_darts.demo.configs import (
     fixed_variant,
     merge_config,
 )
-from mergekit_darts.demo.domains import DOMAIN_NAMES
-from mergekit_darts.demo.run import DemoSettings, run_demo
+from demo.domains import DOMAIN_NAMES
+from demo.run import DemoSettings, run_demo
 
 
 @pytest.mark.slow
@@ -130,12 +130,12 @@ def test_every_method_yaml_is_a_valid_merge_config(tmp_path):
 def test_examples_demo_match_what_the_driver_writes(monkeypatch):
     from pathlib import Path
 
-    from mergekit_darts.demo.configs import merge_config
-    from mergekit_darts.demo.family import _family_paths
+    from demo.configs import merge_config
+    from demo.family_io import family_paths
 
     repo = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(repo)  # `make demo` runs from the repository root
-    family = _family_paths((repo / "runs/demo/family").resolve())
+    family = family_paths((repo / "runs/demo/family").resolve())
     calib = {d: family.calib_file(d) for d in DOMAIN_NAMES}
     background = repo / "runs/demo/data/generic_background.jsonl"
     for method in METHODS:

@@ -72,7 +72,6 @@ LAYERS = [
     ("integrations",),
     ("deploy", "vllm_plugin"),
     ("analysis",),
-    ("demo",),
     ("cli",),
 ]
 
@@ -141,16 +140,30 @@ def test_only_the_plugin_and_the_cli_import_deploy():
     assert not found, found
 
 
-def test_lm_eval_darts_builds_on_the_core_never_the_reverse():
+def _reaches(package: str, targets: tuple[str, ...]) -> list[str]:
+    """Every import in `package` (lazy ones included) of a top-level package in `targets`."""
     root = Path(__file__).resolve().parents[1]
-    reverse = []
-    for path in (root / "mergekit_darts").rglob("*.py"):
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom):
+            if isinstance(node, ast.ImportFrom) and not node.level:
                 names = [node.module or ""]
-            reverse += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "lm_eval_darts"]
+            found += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] in targets]
+    return found
+
+
+def test_lm_eval_darts_builds_on_the_core_never_the_reverse():
+    reverse = _reaches("mergekit_darts", ("lm_eval_darts",))
     assert not reverse, reverse
+
+
+@pytest.mark.parametrize("package", ["mergekit_darts", "lm_eval_darts"])
+def test_the_product_never_imports_the_demo_or_the_benchmarks(package: str) -> None:
+    """The wheel ships these two packages alone: an import of demo/ or benchmarks/ would fail
+    in every installed copy."""
+    found = _reaches(package, ("demo", "benchmarks", "tests"))
+    assert not found, found
 
 
 def _imports(package: Path, root: Path) -> dict[str, set[str]]:
@@ -225,7 +238,7 @@ def test_cycle_finder_finds_a_cycle() -> None:
     assert _cycles(graph) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("package", ["mergekit_darts", "lm_eval_darts", "benchmarks"])
+@pytest.mark.parametrize("package", ["mergekit_darts", "lm_eval_darts", "benchmarks", "demo"])
 def test_no_import_cycles(package: str) -> None:
     """No two modules import each other, directly or through others: each module can be read,
     tested and imported knowing only what it imports."""

@@ -1,4 +1,4 @@
-"""The real family's task items (mergekit_darts.demo.real_domains) answer their own prompt.
+"""The real family's task items (demo.real_domains) answer their own prompt.
 
 Each answer is checked by an independent route: the Python snippet is run, the numbers and the
 sentence are read back out of the prompt text.
@@ -11,9 +11,9 @@ import io
 import random
 import re
 
-from mergekit_darts.demo.domains import make_splits
-from mergekit_darts.demo.real_domains import REAL_DOMAINS
-from mergekit_darts.demo.real_family import _training_items
+from demo.domains import make_splits
+from demo.real_domains import REAL_DOMAINS
+from demo.real_family import training_items
 
 N = 200
 
@@ -52,6 +52,6 @@ def test_splits_and_training_items_are_disjoint_by_prompt() -> None:
         held = splits.held_out()
         assert len(calib) == 50 and len({ex.prompt for ex in splits.eval}) == 50
         assert not calib & {ex.prompt for ex in splits.eval}
-        train = _training_items(random.Random(domain), domain, 192, held)
+        train = training_items(random.Random(domain), domain, 192, held)
         assert len({ex.prompt for ex in train}) == 192
         assert not held & {ex.prompt for ex in train}

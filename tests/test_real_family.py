@@ -1,4 +1,4 @@
-"""The SmolLM2 family of `make demo-real` (mergekit_darts.demo.real_family), marker `real`.
+"""The SmolLM2 family of `make demo-real` (demo.real_family), marker `real`.
 
 A recipe cut to two training steps checks what the full build relies on: the top layers fed
 their cached inputs compute what the whole model computes (float64 reference), an expert differs
@@ -16,17 +16,17 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lm_eval_darts.leakage import CalibrationGrams
-from mergekit_darts.demo.domains import DOMAIN_NAMES, make_splits
-from mergekit_darts.demo.real_domains import REAL_DOMAINS
-from mergekit_darts.demo.real_family import (
+from demo.domains import DOMAIN_NAMES, make_splits
+from demo.real_domains import REAL_DOMAINS
+from demo.real_family import (
     END_OF_TURN,
     RealRecipe,
-    _top_model,
     build_real_family,
     chat,
+    top_model,
 )
-from mergekit_darts.demo.smollm2 import smollm2_folder
+from demo.smollm2 import smollm2_folder
+from lm_eval_darts.leakage import CalibrationGrams
 
 pytestmark = pytest.mark.real
 
@@ -51,7 +51,7 @@ def test_the_top_layers_on_cached_inputs_compute_the_whole_models_output() -> No
     with torch.no_grad():
         out = model.model(ids, output_hidden_states=True)
         cached = out.hidden_states[model.config.num_hidden_layers - layers]
-        top = _top_model(model, layers).double().eval()
+        top = top_model(model, layers).double().eval()
         mine = top(inputs_embeds=cached).last_hidden_state
     torch.testing.assert_close(mine, out.last_hidden_state, rtol=0, atol=1e-10)
 

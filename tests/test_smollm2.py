@@ -1,4 +1,4 @@
-"""The real-model fixture's checks (mergekit_darts.demo.smollm2), without the 93 MB download.
+"""The real-model fixture's checks (demo.smollm2), without the 93 MB download.
 
 The conversion itself runs in the `real` tests (tests/test_real.py, `make test-real`).
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergekit_darts.demo import smollm2
+from demo import smollm2
 
 
 def test_a_wheel_that_is_not_the_pinned_one_is_refused(tmp_path: Path) -> None:

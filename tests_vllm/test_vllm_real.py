@@ -1,6 +1,6 @@
 """vLLM serving a ``--routed`` export of the real SmolLM2-135M-Instruct (`make test-real`).
 
-The pretrained model (mergekit_darts.demo.smollm2) gets a random routed surgery (the routed
+The pretrained model (demo.smollm2) gets a random routed surgery (the routed
 fixture's tasks: pos_corr, none and standard modules, background, every weight non-zero and small), is
 exported by the ``mergekit-darts export --routed`` command and served by ``LLM(model=DEST)``: one
 engine, chat-template prompts batched together, one shorter and the others longer than
@@ -31,8 +31,8 @@ from real import chat
 from tiny import write_routed_surgery
 from transformers import AutoConfig, AutoTokenizer
 
+from demo.smollm2 import smollm2_folder
 from mergekit_darts.artifacts import load_routed
-from mergekit_darts.demo.smollm2 import smollm2_folder
 
 pytestmark = pytest.mark.real
 # module weights' standard deviation: the tiny fixtures' 0.3 swamps the real hidden states, and

@@ -4,7 +4,7 @@ The paper merges fine-tunes of a weak base and task arithmetic keeps roughly 0.7
 expert's gain over the base; surgery then works at the margin of what is lost. The measure is
 (merge - base) / (expert - base) on each expert's own domain (raw retention merge / expert
 is not: a strong base passes it while the merge loses all fine-tuning added). This module
-computes it for the demo's results and, as `python -m mergekit_darts.demo.regime`, for a
+computes it for the demo's results and, as `python -m demo.regime`, for a
 candidate recipe (the recipe table in docs/demo.md), with a plain task-arithmetic merge
 (base + 0.5 * sum of task vectors, mergekit's `task_arithmetic` at weight 0.5) and no surgery.
 """
@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from mergekit_darts.demo.domains import DOMAIN_NAMES
+from demo.domains import DOMAIN_NAMES
 
 MIN_GAIN = 1e-9  # points: an expert no better than the base has no gain to keep
 
@@ -69,13 +69,13 @@ def _task_arithmetic(base: Path, experts: Mapping[str, Path], out: Path, weight:
 
 def measure(out: Path, seed: int, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Build the family of the full recipe with `overrides`; report the regime's properties."""
-    from mergekit_darts.demo.evaluation import DemoSettings, evaluate
-    from mergekit_darts.demo.family import SCALES, build_family
+    from demo.evaluation import DemoSettings, evaluate
+    from demo.family import SCALES, build_family
 
     recipe = replace(SCALES["full"], **overrides)
     family = build_family(out / "family", seed, "full", recipe=recipe)
     settings = DemoSettings(out=out)
-    key = (family.root / "family.json").read_text()
+    key = family.stamp.read_text()
 
     def score(path: Path) -> dict[str, float]:
         return evaluate(settings, family, "hf", f"pretrained={path},dtype=float32", key).scores
@@ -100,12 +100,12 @@ def measure(out: Path, seed: int, overrides: Mapping[str, Any]) -> dict[str, Any
 
 
 def main() -> None:
-    """`python -m mergekit_darts.demo.regime OUT SEED '{"expert_lr": 3e-4}'` -> OUT/regime.json."""
+    """`python -m demo.regime OUT SEED '{"expert_lr": 3e-4}'` -> OUT/regime.json."""
     import sys
 
-    from mergekit_darts.demo.pinning import apply_in_process, reexec_if_unpinned
+    from demo.pinning import apply_in_process, reexec_if_unpinned
 
-    reexec_if_unpinned("mergekit_darts.demo.regime", sys.argv[1:])
+    reexec_if_unpinned("demo.regime", sys.argv[1:])
     apply_in_process()
     out, seed = Path(sys.argv[1]), int(sys.argv[2])
     overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}

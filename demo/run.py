@@ -2,11 +2,14 @@
 
 Every expensive step is cached under the output folder (family by recipe hash, merges and
 evaluations by the hash of their YAML / arguments), so a second run only re-renders the table.
+The merges and evaluations of each method (and of the individual models) first fill that cache
+in parallel processes, one thread each; the table is then read from it, in order, here.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import resource
 import shutil
@@ -14,13 +17,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from mergekit_darts.artifacts import read_manifest
-from mergekit_darts.demo.configs import (
+from demo.configs import (
     ROUTED_LABEL,
     Variant,
     lm_eval_task,
@@ -29,14 +33,15 @@ from mergekit_darts.demo.configs import (
     variants,
     write_config,
 )
-from mergekit_darts.demo.domains import DOMAIN_NAMES
-from mergekit_darts.demo.evaluation import DemoSettings, Evaluation, digest, evaluate
-from mergekit_darts.demo.evidence import NONE_LABEL, Point, collect, selection_outcomes
-from mergekit_darts.demo.evidence import markdown as evidence_markdown
-from mergekit_darts.demo.family import FamilyPaths, build_family
-from mergekit_darts.demo.generic import logit_shift, write_generic_prompts
-from mergekit_darts.demo.pinning import PINS, apply_in_process, pinned_env
-from mergekit_darts.demo.report import (
+from demo.domains import DOMAIN_NAMES
+from demo.evaluation import DemoSettings, Evaluation, digest, evaluate
+from demo.evidence import NONE_LABEL, Point, collect, selection_outcomes
+from demo.evidence import markdown as evidence_markdown
+from demo.family import build_family
+from demo.family_io import FamilyPaths
+from demo.generic import logit_shift, write_generic_prompts
+from demo.pinning import PINS, apply_in_process, pinned_env
+from demo.report import (
     BOOTSTRAP_SAMPLES,
     BOOTSTRAP_SEED,
     INDIVIDUAL,
@@ -47,6 +52,7 @@ from mergekit_darts.demo.report import (
     shift_table,
     summary,
 )
+from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.manifest import Manifest, surgery_dir
 
 console = Console()
@@ -83,7 +89,7 @@ def merge_with_surgery(
 def _build(settings: DemoSettings) -> FamilyPaths:
     """The tiny family (`full`/`tiny`) or the SmolLM2 family (`real`), cached under out/family."""
     if settings.scale == "real":
-        from mergekit_darts.demo.real_family import build_real_family
+        from demo.real_family import build_real_family
 
         return build_real_family(settings.out / "family", settings.seed)
     return build_family(settings.out / "family", settings.seed, settings.scale)
@@ -91,7 +97,7 @@ def _build(settings: DemoSettings) -> FamilyPaths:
 
 def individual_rows(settings: DemoSettings, family: FamilyPaths) -> list[Row]:
     """The paper's Table 2: base and each expert on every domain."""
-    key = _stamp(family)
+    key = family.stamp.read_text()
 
     def score(path: Path):
         return evaluate(settings, family, "hf", f"pretrained={path},dtype=float32", key)
@@ -100,10 +106,6 @@ def individual_rows(settings: DemoSettings, family: FamilyPaths) -> list[Row]:
     for domain, path in family.experts.items():
         rows.append(Row(INDIVIDUAL, f"Expert: {domain}", "expert", score(path), domain))
     return rows
-
-
-def _stamp(family: FamilyPaths) -> str:
-    return (family.root / "family.json").read_text()
 
 
 def merged_rows(
@@ -178,7 +180,11 @@ def _surgery_run(
     )
     config_path = write_config(config, settings.out / "configs" / f"{name}.yml")
     merged = merge_with_surgery(
-        config_path, settings.out / "merges" / name, settings.seed, settings.fresh, _stamp(family)
+        config_path,
+        settings.out / "merges" / name,
+        settings.seed,
+        settings.fresh,
+        family.stamp.read_text(),
     )
     key = (merged.with_name(merged.name + ".done")).read_text()
     return merged, read_manifest(surgery_dir(merged)), key
@@ -240,13 +246,15 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     settings.out.mkdir(parents=True, exist_ok=True)
     console.rule(f"1/3 model family ({settings.scale})")
     family = _build(settings)
+    fill_caches(settings, family)
+    cached = replace(settings, fresh=False)  # what fill_caches computed stays
     console.rule("2/3 individual models")
-    rows = individual_rows(settings, family)
+    rows = individual_rows(cached, family)
     points: list[Point] = []
     shifts: dict[str, Any] = {}
     for i, method in enumerate(settings.methods, 1):
         console.rule(f"3/3 merge {i}/{len(settings.methods)}: {method} + surgery, evaluation")
-        merged, evidence, shifts[method] = merged_rows(settings, family, method)
+        merged, evidence, shifts[method] = merged_rows(cached, family, method)
         rows += merged
         points += evidence
     add_deltas(rows)
@@ -287,6 +295,33 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         f"{settings.out}[/green]"
     )
     return results
+
+
+def fill_caches(settings: DemoSettings, family: FamilyPaths) -> None:
+    """Run every method's merges and evaluations, and the individual models' evaluations, in
+    processes of their own, as many at once as there are CPUs: each process is single-threaded
+    under the same pins, so it computes what this one would, and writes it to the cache."""
+    write_generic_prompts(settings.out / "data", settings.seed)  # written once, read by all
+    jobs = [*settings.methods, None]  # None: the individual models
+    workers = min(len(jobs), os.cpu_count() or 1)
+    console.rule(f"merges and evaluations: {len(jobs)} jobs, {workers} at a time")
+    # spawn: a fresh interpreter that starts torch under this process's environment (the pins)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=apply_in_process) as pool:
+        futures = [pool.submit(_fill, settings, family, job) for job in jobs]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # the first failure ends the run: start no more
+            raise
+
+
+def _fill(settings: DemoSettings, family: FamilyPaths, method: str | None) -> None:
+    if method is None:
+        individual_rows(settings, family)
+    else:
+        merged_rows(settings, family, method)
 
 
 def _held_out_study(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from mergekit_darts.demo.domains import vocabulary
+from demo.domains import vocabulary
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS)

@@ -1,7 +1,7 @@
 """Seeded tiny decoder family (base + code/math/instruct experts) for the CPU-scale demo.
 
-Imports nothing heavy: `python -m mergekit_darts.demo` must set its reproducibility pins
-(mergekit_darts.demo.pinning) before the first `import torch`.
+Imports nothing heavy: `python -m demo` must set its reproducibility pins
+(demo.pinning) before the first `import torch`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ __all__ = ["FamilyPaths", "build_family"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from mergekit_darts.demo import family
+        from demo import family
 
         return getattr(family, name)
     raise AttributeError(name)

@@ -1,6 +1,6 @@
-"""`python -m mergekit_darts.demo`: the README's first command (`make demo`).
+"""`python -m demo`: the README's first command (`make demo`).
 
-It first re-executes itself with the reproducibility pins (mergekit_darts.demo.pinning) when the
+It first re-executes itself with the reproducibility pins (demo.pinning) when the
 environment lacks them: they only act if set before torch starts, so nothing here imports torch
 before that.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from mergekit_darts.demo.configs import METHODS  # no torch: configs builds YAML only
-from mergekit_darts.demo.pinning import reexec_if_unpinned
+from demo.configs import METHODS  # no torch: configs builds YAML only
+from demo.pinning import reexec_if_unpinned
 
 
 @click.command()
@@ -62,7 +62,7 @@ def main(
     full: bool,
 ) -> None:
     """Build the family, merge with surgery, evaluate, and print a CPU-scale Table 1."""
-    from mergekit_darts.demo.run import DemoSettings, run_demo
+    from demo.run import DemoSettings, run_demo
 
     settings = DemoSettings(
         out,
@@ -80,5 +80,5 @@ def main(
 
 
 if __name__ == "__main__":
-    reexec_if_unpinned("mergekit_darts.demo", sys.argv[1:])
+    reexec_if_unpinned("demo", sys.argv[1:])
     main()

@@ -35,6 +35,7 @@ PINS: dict[str, str] = {
     "MKL_DYNAMIC": "FALSE",
 }
 REEXEC_MARK = "DARTS_DEMO_PINNED"
+CHECKOUT = Path(__file__).resolve().parents[1]  # the folder that holds the demo package
 # mkl_cbwr_get(MKL_CBWR_BRANCH) values (mkl_service.h)
 MKL_BRANCHES = {0: "OFF", 1: "BRANCH_OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 10: "AVX2"}
 
@@ -50,12 +51,17 @@ def pinned_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def reexec_if_unpinned(module: str, argv: Sequence[str]) -> None:
-    """Replace this process with a pinned one running `python -m module argv` (before torch)."""
+    """Replace this process with a pinned one running `python -m module argv` (before torch).
+
+    The checkout that holds this package goes first on its PYTHONPATH (and so on that of every
+    process it starts): `module`, and the `mergekit-yaml` runs, import this checkout's code
+    whatever the working directory."""
     if not unpinned(os.environ):
         return
     if "torch" in sys.modules or os.environ.get(REEXEC_MARK):
         raise RuntimeError("the demo's pins must be set before torch is imported")
-    env = {**pinned_env(os.environ), REEXEC_MARK: "1"}
+    path = [str(CHECKOUT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**pinned_env(os.environ), REEXEC_MARK: "1", "PYTHONPATH": os.pathsep.join(path)}
     os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
 
 
@@ -74,7 +80,7 @@ def apply_in_process() -> dict[str, Any]:
     """Pin this process's torch threads and report what the runtime actually uses.
 
     `pinned_before_torch` is False when this process started without the pins (e.g. the demo
-    called from Python rather than `python -m mergekit_darts.demo`): its kernel set was fixed
+    called from Python rather than `python -m demo`): its kernel set was fixed
     then, so its numbers may differ from the README's.
     """
     import torch

@@ -10,7 +10,7 @@ token sets), so each calibration group is analysed on its own.
 The verdict's per-prompt numbers on the target's completions of the held-out prompts
 (calibrate.verdict) are kept with each point, so :func:`verdict_outcomes` can say what the verdict
 would keep under each of its metrics, and whether that is at least as good as no surgery on the
-evaluation items; ``python -m mergekit_darts.demo.evidence results.json ...`` pools several
+evaluation items; ``python -m demo.evidence results.json ...`` pools several
 family seeds' ``results.json``.
 """
 
@@ -25,10 +25,10 @@ from typing import Any
 
 from scipy.stats import spearmanr
 
+from demo.configs import VARIANTS, fixed_variant, surgery_task
+from demo.domains import DOMAIN_NAMES
 from mergekit_darts.calibrate.verdict import decide
 from mergekit_darts.config.schema import VERDICT_METRICS, SelectConfig
-from mergekit_darts.demo.configs import VARIANTS, fixed_variant, surgery_task
-from mergekit_darts.demo.domains import DOMAIN_NAMES
 from mergekit_darts.manifest import Manifest
 
 NONE_LABEL = "None (merged)"
@@ -307,10 +307,8 @@ def pooled(paths: Sequence[str | Path]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m mergekit_darts.demo.evidence RESULTS.json ...`: the pooled tables."""
-    parser = argparse.ArgumentParser(
-        prog="python -m mergekit_darts.demo.evidence", description=pooled.__doc__
-    )
+    """`python -m demo.evidence RESULTS.json ...`: the pooled tables."""
+    parser = argparse.ArgumentParser(prog="python -m demo.evidence", description=pooled.__doc__)
     parser.add_argument("results", nargs="+", type=Path, help="results.json of `--full` runs")
     opts = parser.parse_args(argv)
     missing = [str(p) for p in opts.results if not p.is_file()]

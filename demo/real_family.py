@@ -1,8 +1,8 @@
 """The real family (`make demo-real`): SmolLM2-135M-Instruct and three experts fine-tuned from it.
 
-The base is the real checkpoint (mergekit_darts.demo.smollm2). Each expert fine-tunes only the
+The base is the real checkpoint (demo.smollm2). Each expert fine-tunes only the
 top `trainable_layers` decoder layers and the final norm on one domain of
-mergekit_darts.demo.real_domains, the loss on the answer and the end-of-turn token only; the tied
+demo.real_domains, the loss on the answer and the end-of-turn token only; the tied
 embeddings/head stay frozen. Everything below those layers is frozen too, so their output for
 each training item is computed once and cached: a step then costs the top layers only. That is
 what makes three experts of a 135M model a few CPU minutes; the task vectors live in the top
@@ -11,7 +11,7 @@ layers, which is where a merge of them has something to carry.
 Prompts go through the model's own chat template with an empty system turn (the default system
 prompt doubles every prompt's length and teaches nothing here), in training, calibration and
 lm-eval alike (the eval files hold the templated prompt). The same driver
-(mergekit_darts.demo.run) merges, calibrates and evaluates it as it does the tiny family;
+(demo.run) merges, calibrates and evaluates it as it does the tiny family;
 `FamilyPaths` is the shared interface.
 """
 
@@ -36,22 +36,22 @@ from transformers import (
     get_cosine_schedule_with_warmup,
 )
 
-from mergekit_darts.demo.domains import DOMAIN_NAMES, Example, Splits, make_splits
-from mergekit_darts.demo.family import (
+from demo.domains import DOMAIN_NAMES, Example, Splits, make_splits
+from demo.family_io import (
     FamilyPaths,
-    _build_environment,
-    _collate,
-    _family_paths,
-    _is_complete,
-    _save,
-    _write_data,
-    _write_stamp,
-    _write_tasks,
+    build_environment,
+    collate,
+    family_paths,
+    is_complete,
     optimizer_step,
+    save_model,
+    write_data,
+    write_stamp,
+    write_tasks,
 )
-from mergekit_darts.demo.pinning import PINS
-from mergekit_darts.demo.real_domains import REAL_DOMAINS
-from mergekit_darts.demo.smollm2 import WEIGHTS_SHA256, smollm2_folder
+from demo.pinning import PINS
+from demo.real_domains import REAL_DOMAINS
+from demo.smollm2 import WEIGHTS_SHA256, smollm2_folder
 
 REAL_VERSION = 1
 END_OF_TURN = "<|im_end|>"
@@ -79,33 +79,33 @@ def build_real_family(
     the base folder is the converted checkpoint itself."""
     recipe = recipe or RealRecipe()
     base = smollm2_folder()
-    paths = replace(_family_paths(Path(root).resolve()), base=base)
+    paths = replace(family_paths(Path(root).resolve()), base=base)
     ident = {"version": REAL_VERSION, "seed": seed, "recipe": asdict(recipe)}
     ident.update(base_weights=WEIGHTS_SHA256, pins=PINS)  # the pins decide the weights' bits
     recipe_hash = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
-    if _is_complete(paths, recipe_hash):
-        _write_tasks(paths, END_OF_TURN, MAX_GEN_TOKS)
+    if is_complete(paths, recipe_hash):
+        write_tasks(paths, END_OF_TURN, MAX_GEN_TOKS)
         return paths
-    (paths.root / "family.json").unlink(missing_ok=True)
+    paths.stamp.unlink(missing_ok=True)
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base)
     raw = {
         d: make_splits(d, seed, recipe.n_calib, recipe.n_eval, REAL_DOMAINS) for d in DOMAIN_NAMES
     }
-    _write_data(paths, {d: _templated(tokenizer, s) for d, s in raw.items()})
-    _write_tasks(paths, END_OF_TURN, MAX_GEN_TOKS)
+    write_data(paths, {d: _templated(tokenizer, s) for d, s in raw.items()})
+    write_tasks(paths, END_OF_TURN, MAX_GEN_TOKS)
     losses = {}
-    with _build_environment(progress):
+    with build_environment(progress):
         pretrained = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         for domain, folder in paths.experts.items():
             rng = random.Random(f"darts-demo-real:{seed}:{domain}")
-            items = _training_items(rng, domain, recipe.train_items, raw[domain].held_out())
+            items = training_items(rng, domain, recipe.train_items, raw[domain].held_out())
             batches = _cached_batches(pretrained, tokenizer, items, recipe)
             torch.manual_seed(seed)
             expert, losses[domain] = _fine_tune_top(pretrained, batches, recipe, progress, domain)
-            _save(expert, tokenizer, folder)
+            save_model(expert, tokenizer, folder)
     seconds = time.perf_counter() - start
-    _write_stamp(paths, recipe, seed, "real", recipe_hash, losses, seconds)
+    write_stamp(paths, recipe, seed, "real", recipe_hash, losses, seconds)
     return paths
 
 
@@ -122,7 +122,7 @@ def _templated(tokenizer: PreTrainedTokenizerBase, splits: Splits) -> Splits:
     return Splits(calib=each(splits.calib), eval=each(splits.eval))
 
 
-def _training_items(
+def training_items(
     rng: random.Random, domain: str, count: int, held_out: frozenset[str]
 ) -> list[Example]:
     """`count` distinct items of `domain`, none of them a calibration or evaluation prompt."""
@@ -154,7 +154,7 @@ def _cached_batches(
     first_trained = model.config.num_hidden_layers - recipe.trainable_layers
     cached = []
     for i in range(0, len(seqs), recipe.batch):
-        input_ids, labels = _collate(seqs[i : i + recipe.batch], tokenizer.pad_token_id)
+        input_ids, labels = collate(seqs[i : i + recipe.batch], tokenizer.pad_token_id)
         hidden = model.model(input_ids, output_hidden_states=True).hidden_states[first_trained]
         cached.append((hidden, labels))
     return cached
@@ -169,7 +169,7 @@ def _fine_tune_top(
 ) -> tuple[PreTrainedModel, float]:
     """AdamW with warmup + cosine decay on the top layers and the final norm, fed the cached
     inputs; returns the pretrained model with those layers replaced, and the last step's loss."""
-    top = _top_model(pretrained, recipe.trainable_layers)
+    top = top_model(pretrained, recipe.trainable_layers)
     head = pretrained.get_output_embeddings().weight  # tied to the input embeddings: frozen
     optimizer = torch.optim.AdamW(top.parameters(), lr=recipe.lr, weight_decay=0.01)
     warmup = max(1, int(recipe.warmup_fraction * recipe.steps))
@@ -195,7 +195,7 @@ def _fine_tune_top(
     return expert.eval(), float(loss.item())
 
 
-def _top_model(pretrained: PreTrainedModel, layers: int) -> LlamaModel:
+def top_model(pretrained: PreTrainedModel, layers: int) -> LlamaModel:
     """A decoder of the pretrained model's top `layers` and final norm (copies, trainable): fed
     the cached hidden states as `inputs_embeds`, it runs transformers' own masking and RoPE."""
     config = copy.deepcopy(pretrained.config)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from mergekit_darts.demo.domains import Example
+from demo.domains import Example
 
 WORDS = (
     "apple river stone cloud green tiger piano candle garden window rocket silver forest honey "

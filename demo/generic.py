@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from mergekit_darts.demo.configs import BACKGROUND_SAMPLES
-from mergekit_darts.demo.domains import generic_text
+from demo.configs import BACKGROUND_SAMPLES
+from demo.domains import generic_text
 
 N_MEASURED = 100  # generic prompts measured, disjoint from the background prompts
 MAX_WORDS = 48  # generic documents are short; a cap keeps every prompt inside max_positions

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from demo.domains import DOMAIN_NAMES
+from demo.evaluation import Evaluation
+from demo.regime import gains_kept
 from mergekit_darts.analysis.stats import paired_bootstrap, seeded_bootstrap
-from mergekit_darts.demo.domains import DOMAIN_NAMES
-from mergekit_darts.demo.evaluation import Evaluation
-from mergekit_darts.demo.regime import gains_kept
 
 INDIVIDUAL = "Individual models"
 BOOTSTRAP_SEED = 0

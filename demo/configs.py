@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from mergekit_darts.demo.domains import DOMAIN_NAMES
+from demo.domains import DOMAIN_NAMES
 
 # method -> per-expert parameters, and whether the method takes the base model (linear does not)
 METHODS: dict[str, tuple[dict[str, float], bool]] = {

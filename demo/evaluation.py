@@ -11,9 +11,9 @@ from typing import Any
 
 from rich.console import Console
 
-from mergekit_darts.demo.configs import METHODS, lm_eval_task
-from mergekit_darts.demo.domains import DOMAIN_NAMES
-from mergekit_darts.demo.family import FamilyPaths
+from demo.configs import METHODS, lm_eval_task
+from demo.domains import DOMAIN_NAMES
+from demo.family_io import FamilyPaths
 
 console = Console()
 
