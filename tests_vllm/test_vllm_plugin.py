@@ -215,6 +215,7 @@ def test_the_model_module_loads_nothing_but_the_shipped_files() -> None:
         "mergekit_darts.deploy",
         "mergekit_darts.deploy.darts_correction",
         "mergekit_darts.deploy.modeling_darts",
+        "mergekit_darts.errors",  # the error classes alone: it imports nothing
         "mergekit_darts.vllm_plugin",
         "mergekit_darts.vllm_plugin.model",
     }
