@@ -167,3 +167,16 @@ BAD_SECTIONS = [
 
 def instance(kind: str, args: tuple, task: str = MC, idx: int = 0) -> Instance:
     return Instance(request_type=kind, doc={}, arguments=args, idx=idx, metadata=(task, idx, 1))
+
+
+def pos_corr_logits64(model: Any, module: Any, ids: torch.Tensor) -> torch.Tensor:
+    """``h - c(h) - b_p`` then the LM head, in float64, for unpadded rows (positions 0..T-1);
+    ``b_p`` is zero past the module's position table."""
+    with torch.no_grad():
+        h = model(input_ids=ids, output_hidden_states=True).hidden_states[-1].double()
+    table = module.position_bias.detach().double()
+    positions = torch.arange(ids.shape[-1])
+    bias = table[positions.clamp(max=len(table) - 1)] * (positions < len(table)).double()[:, None]
+    down, up = module.down.weight.detach().double(), module.up.weight.detach().double()
+    h_hat = h - torch.relu(h @ down.T) @ up.T - bias
+    return h_hat @ model.get_output_embeddings().weight.detach().double().T

@@ -22,7 +22,7 @@ import torch
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 from peft import LoraConfig, get_peft_model
-from reference import GEN, MC, MC_COPY, PPL, instance
+from reference import GEN, MC, MC_COPY, PPL, instance, pos_corr_logits64
 from sqlitedict import SqliteDict
 from transformers import AutoModelForCausalLM
 
@@ -104,16 +104,8 @@ def evaluate() -> Callable[..., dict[str, list[Any]]]:
 
 
 def reference_logits(plain: Any, module: SurgeryModule, ids: list[int]) -> torch.Tensor:
-    """h - c(h) - b_p then the LM head, in float64, for one unpadded sequence (positions 0..T-1)."""
-    with torch.no_grad():
-        out = plain(torch.tensor([ids]), output_hidden_states=True)
-    h = out.hidden_states[-1][0].double()
-    positions = torch.arange(len(ids))
-    bias = module.position_bias.detach().double()[positions.clamp(max=MAX_POSITIONS - 1)]
-    bias = bias * (positions < MAX_POSITIONS).double().unsqueeze(-1)
-    down, up = module.down.weight.detach().double(), module.up.weight.detach().double()
-    h_hat = h - torch.relu(h @ down.T) @ up.T - bias
-    return h_hat @ plain.get_output_embeddings().weight.detach().double().T
+    """The float64 reference for one unpadded sequence."""
+    return pos_corr_logits64(plain, module, torch.tensor([ids]))[0]
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ import tiny
 import torch
 import yaml
 from click.testing import CliRunner
+from reference import pos_corr_logits64
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-from mergekit_darts import SurgeryModule
 from mergekit_darts.analysis.report import write_report
 from mergekit_darts.apply import SurgeryHandle
 from mergekit_darts.artifacts import load_surgery, read_manifest, write_surgery_folder
@@ -127,18 +127,6 @@ class Wrapper(nn.Module):
         return self.model(*args, **kwargs)
 
 
-def reference_logits(model: nn.Module, module: SurgeryModule, ids: torch.Tensor) -> torch.Tensor:
-    """``h - c(h) - b_p`` then the LM head, in float64, for unpadded rows (positions 0..T-1)."""
-    with torch.no_grad():
-        h = model(input_ids=ids, output_hidden_states=True).hidden_states[-1].double()
-    positions = torch.arange(ids.shape[1])
-    bias = module.position_bias.detach().double()[positions.clamp(max=MAX_POSITIONS - 1)]
-    bias = bias * (positions < MAX_POSITIONS).double().unsqueeze(-1)
-    down, up = module.down.weight.detach().double(), module.up.weight.detach().double()
-    h_hat = h - torch.relu(h @ down.T) @ up.T - bias
-    return h_hat @ model.get_output_embeddings().weight.detach().double().T
-
-
 @pytest.fixture(scope="module")
 def llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
@@ -150,7 +138,7 @@ IDS = torch.tensor([[2, 5, 6, 7, 8, 9, 10, 11, 12, 13], [2, 14, 15, 16, 17, 18, 
 
 def test_a_wrapper_called_positionally_or_by_keyword_is_corrected_alike(llama):
     module = tiny.random_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed=3)
-    expected = reference_logits(llama, module, IDS)
+    expected = pos_corr_logits64(llama, module, IDS)
     wrapper = Wrapper(llama)
     with SurgeryHandle(wrapper, module), torch.no_grad():
         by_position = wrapper(IDS).logits
@@ -171,7 +159,7 @@ def test_a_peft_model_is_corrected_in_forward_and_generate(llama, task_type):
         ),
     ).eval()
     module = tiny.random_module("pos_corr", HIDDEN, RANK, MAX_POSITIONS, seed=4)
-    expected = reference_logits(model, module, IDS)
+    expected = pos_corr_logits64(model, module, IDS)
     with SurgeryHandle(model, module), torch.no_grad():
         by_position = model(IDS).logits
         by_keyword = model(input_ids=IDS).logits
