@@ -187,7 +187,7 @@ def selection_outcomes(
 
 def verdict_outcomes(points: Sequence[Point], alpha: float = ALPHA) -> list[dict[str, Any]]:
     """Per calibration group and verdict metric: over the (merge, domain) cells, what the verdict
-    (sign test against none at ``alpha`` / corrections, calibrate.verdict.decide) keeps, and
+    (signed-rank test against none at ``alpha`` / corrections, calibrate.verdict.decide) keeps, and
     its exact match on the evaluation items against no surgery's."""
     rows = []
     for group in ("prompts", "completions"):
@@ -207,7 +207,7 @@ def verdict_outcomes(points: Sequence[Point], alpha: float = ALPHA) -> list[dict
                     }
                     for p in cands
                 ]
-                index, _ = decide(entries, [p.variant for p in cands], metric, alpha)
+                index = decide(entries, [p.variant for p in cands], metric, alpha).chosen
                 none = next(p for p in cands if p.variant == NONE_LABEL)
                 kept += cands[index].variant != NONE_LABEL
                 deltas.append(cands[index].exact_match - none.exact_match)
@@ -230,7 +230,7 @@ def verdict_outcomes(points: Sequence[Point], alpha: float = ALPHA) -> list[dict
 def verdict_markdown(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The verdict table: per group and metric, what it kept and how that scored."""
     lines = [
-        "What the verdict keeps (sign test against none on the target's completions of the "
+        "What the verdict keeps (signed-rank test against none on the target's completions of the "
         f"held-out prompts, alpha {ALPHA} / corrections), per (merge, domain) cell; Δ = exact "
         "match (points) of what it kept minus no surgery, on the evaluation items.",
         "",

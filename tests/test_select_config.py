@@ -45,12 +45,12 @@ BAD_SELECT = [
         "unknown metric",
         change_block(select=select(metric="accuracy")),
         "surgery.select.metric: 'accuracy' is not allowed; choose one of agreement, kl, rho_l1, "
-        "completion_match, completion_agreement or completion_rho_l1",
+        "completion_match, completion_agreement, completion_rho_l1 or completion_prefix",
     ),
     (
         "unknown select key",
-        change_block(select=select(folds=5)),
-        "surgery.select.folds: unknown key",
+        change_block(select=select(fold=5)),
+        "surgery.select.fold: unknown key",
     ),
     (
         "holdout leaving no training prompt",

@@ -4,18 +4,25 @@ generation and float64 references on the tiny family."""
 from __future__ import annotations
 
 import hashlib
+import itertools
+import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
-from scipy.stats import binomtest
+from scipy.stats import binomtest, norm, rankdata
 from tiny import surgery_block, surgery_task
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, run_surgery
-from mergekit_darts.calibrate.verdict import completion_reference, decide, sign_test
+from mergekit_darts.calibrate.verdict import (
+    completion_reference,
+    decide,
+    detectable_gain,
+    signed_rank_test,
+)
 from mergekit_darts.config import parse_surgery, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.integrations.card import print_summary
@@ -63,7 +70,25 @@ def verdict_run(tiny_family, calibration_data, tiny_merged, tmp_path_factory):
     return merged, run_surgery(merged, block, progress=False)
 
 
-# ---- the sign test and the decision -------------------------------------------------------------
+# ---- the signed-rank test and the decision ------------------------------------------------------
+
+
+def _brute_force_signed_rank(candidate, none) -> tuple[int, int, float, float]:
+    """float64 reference: (better, worse, W+, p) over every one of the 2^n sign assignments."""
+    pairs = [
+        (a, b) for a, b in zip(candidate, none, strict=True) if a is not None and b is not None
+    ]
+    d = [a - b for a, b in pairs if a != b]
+    if not d:
+        return 0, 0, 0.0, 1.0
+    ranks = rankdata([abs(x) for x in d])  # mid-ranks for ties
+    observed = sum(r for r, x in zip(ranks, d, strict=True) if x > 0)
+    sums = [
+        sum(r for r, s in zip(ranks, signs, strict=True) if s)
+        for signs in itertools.product((0, 1), repeat=len(d))
+    ]
+    p = sum(1.0 for w in sums if w >= observed - 1e-9) / len(sums)
+    return sum(x > 0 for x in d), sum(x < 0 for x in d), float(observed), p
 
 
 @pytest.mark.parametrize(
@@ -73,40 +98,114 @@ def verdict_run(tiny_family, calibration_data, tiny_merged, tmp_path_factory):
         ([1, 1, 0, 1, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]),
         ([0.5, 0.2, 0.9, None, 0.4], [0.5, 0.3, 0.1, 0.7, 0.2]),
         ([0, 0, 0], [0, 0, 0]),
+        ([12, 3, 30, 7, 7, 0, 18, 5, 9, 2, 31], [4, 3, 12, 9, 1, 2, 18, 5, 1, 6, 0]),  # tied sizes
+        ([5, 6, 7, 8, 9, 10, 11, 12], [6, 4, 4, 3, 3, 2, 1, 0]),
     ],
 )
-def test_sign_test_is_the_one_sided_binomial_test(candidate, none):
-    result = sign_test(candidate, none)
-    pairs = [
-        (a, b) for a, b in zip(candidate, none, strict=True) if a is not None and b is not None
-    ]
-    better = sum(a > b for a, b in pairs)
-    n = sum(a != b for a, b in pairs)
-    assert (result["better"], result["worse"], result["prompts"]) == (
-        better,
-        n - better,
-        len(pairs),
-    )
-    expected = binomtest(better, n, 0.5, alternative="greater").pvalue if n else 1.0
-    assert result["p"] == pytest.approx(expected, rel=1e-12)
+def test_signed_rank_test_is_the_exact_one_sided_test(candidate, none):
+    result = signed_rank_test(candidate, none)
+    better, worse, statistic, p = _brute_force_signed_rank(candidate, none)
+    pairs = sum(a is not None and b is not None for a, b in zip(candidate, none, strict=True))
+    assert (result["better"], result["worse"], result["prompts"]) == (better, worse, pairs)
+    assert result["statistic"] == pytest.approx(statistic)
+    assert result["p"] == pytest.approx(p, rel=1e-12)
 
 
-def _entry(module: str, loss: str | None, match: list[float]) -> dict:
+def test_on_0_1_outcomes_the_signed_rank_test_is_the_sign_test():
+    rng = random.Random(0)
+    for _ in range(50):
+        n = rng.randint(1, 40)
+        candidate = [rng.randint(0, 1) for _ in range(n)]
+        none = [rng.randint(0, 1) for _ in range(n)]
+        result = signed_rank_test(candidate, none)
+        k, m = result["better"], result["better"] + result["worse"]
+        expected = binomtest(k, m, 0.5, alternative="greater").pvalue if m else 1.0
+        assert result["p"] == pytest.approx(expected, rel=1e-9)
+
+
+def _simulated_verdicts(trials: int, seed: int, shift: float | None = None) -> tuple[float, float]:
+    """(share of trials where decide keeps a correction, mean stated detectable gain) over 50
+    prompts with graded outcomes 0..32 for none and three corrections.
+
+    ``shift`` None: each correction is none plus symmetric integer noise (half the prompts
+    unchanged, the rest moved by 1..4 tokens either way): no correction is better. Else each
+    correction's differences are normal with sd 3, the first's with mean ``shift``: the model
+    under which the stated detectable gain is computed.
+    """
+    rng = random.Random(seed)
+    kept, stated = 0, 0.0
+    for _ in range(trials):
+        none = [float(rng.randint(0, 32)) for _ in range(50)]
+        entries = [_entry("none", None, none, "completion_prefix")]
+        for c in range(3):
+            if shift is None:
+                moved = [
+                    rng.choice((-1, 1)) * rng.randint(1, 4) * (rng.random() < 0.5) for _ in none
+                ]
+            else:
+                moved = [rng.gauss(shift if c == 0 else 0.0, 3) for _ in none]
+            scores = [x + d for x, d in zip(none, moved, strict=True)]
+            entries.append(_entry("pos_corr", "l1", scores, "completion_prefix"))
+        decision = decide(entries, ["none", "a", "b", "c"], "completion_prefix", 0.05)
+        kept += decision.chosen != 0
+        stated += decision.detectable["mean_gain"]
+    return kept / trials, stated / trials
+
+
+def test_with_no_better_candidate_a_correction_is_kept_at_most_alpha_of_the_time():
+    # 4000 trials: the binomial standard error at 0.05 is 0.0034
+    rate, _ = _simulated_verdicts(4000, seed=1)
+    assert rate <= 0.05 + 3 * (0.05 * 0.95 / 4000) ** 0.5
+
+
+def test_a_gain_of_the_stated_detectable_size_is_kept_with_the_stated_power():
+    _, gain = _simulated_verdicts(300, seed=2, shift=0.0)
+    assert 1 < gain < 2  # about (z[1 - 0.05/3] + z[0.8]) * 3 / sqrt(50 * 3/pi) = 1.29
+    rate, _ = _simulated_verdicts(400, seed=3, shift=gain)
+    assert rate >= 0.8 - 3 * (0.8 * 0.2 / 400) ** 0.5
+    rate, _ = _simulated_verdicts(400, seed=4, shift=gain / 3)  # a third of it: mostly missed
+    assert rate < 0.5
+
+
+def test_detectable_gain_is_the_normal_approximation_of_the_paired_test():
+    d = [3.0, -1.0, 0.0, 4.0, 2.0, -2.0, 5.0, 1.0]
+    n = len(d)
+    sd = (sum(x * x for x in d) / n) ** 0.5  # the sign-flip null's spread: uncentred
+    z_level, z_power = norm.ppf(1 - 0.05 / 3), norm.ppf(0.8)
+    expected = (z_level + z_power) * sd / (n * 3 / 3.141592653589793) ** 0.5
+    assert detectable_gain([d], 0.05 / 3) == pytest.approx(expected, rel=1e-8)
+    assert detectable_gain([[0.0] * 8, [0.0] * 8], 0.05) is None
+    # never below what the exact test needs: 6 prompts (2**-6 < 0.05/3) changed by 1 of 50
+    few = [1.0, -1.0] + [0.0] * 48
+    assert detectable_gain([few], 0.05 / 3) == pytest.approx(6 / 50)
+
+
+def _entry(
+    module: str, loss: str | None, scores: list[float], metric: str = "completion_match"
+) -> dict:
     return {
         "module": module,
         "loss": loss,
-        "verdict": {"completion_match": match},
-        "held_out": {"completion_match": sum(match) / len(match)},
+        "verdict": {metric: scores},
+        "held_out": {metric: sum(scores) / len(scores)},
     }
 
 
 def test_few_held_out_prompts_keep_the_merge_even_when_every_one_improves():
     # 4 prompts, all better: p = 1/16 > 0.05 / 1; the merge stays as it is
     entries = [_entry("none", None, [0, 0, 0, 0]), _entry("pos_corr", "l1", [1, 1, 1, 1])]
-    chosen, line = decide(entries, ["none", "pos_corr + l1"], "completion_match", 0.05)
-    assert chosen == 0
-    assert line.startswith("kept no correction: no candidate beat the merge by the sign test")
-    assert "better on 4, worse on 0 of 4 prompts, sign test p = 0.0625 > 0.05" in line
+    decision = decide(entries, ["none", "pos_corr + l1"], "completion_match", 0.05)
+    assert decision.chosen == 0
+    assert decision.line.startswith(
+        "kept no correction: no candidate beat the merge by the signed-rank test"
+    )
+    assert "better on 4, worse on 0 of 4 prompts, signed-rank p = 0.0625 > 0.05" in decision.line
+    # at 0.05 the exact test needs 5 changed prompts (2**-5 < 0.05 < 2**-4): 4 can never pass
+    assert decision.line.endswith(
+        "; with 4 prompts no correction can pass (the test needs at least 5 prompts changed, "
+        "all for the better)"
+    )
+    assert decision.detectable["mean_gain"] is None
 
 
 def test_a_clear_winner_is_kept_and_bonferroni_counts_every_correction():
@@ -120,22 +219,23 @@ def test_a_clear_winner_is_kept_and_bonferroni_counts_every_correction():
         {**_entry("pos_corr", "ewl1", loser), "diverged": "loss is NaN"},
     ]
     labels = ["none", "standard + l1", "pos_corr + l1", "pos_corr + ewl1"]
-    chosen, line = decide(entries, labels, "completion_match", 0.05)
-    assert chosen == 2
+    decision = decide(entries, labels, "completion_match", 0.05)
+    assert decision.chosen == 2
     # two corrections measured (the diverged one is not), so each is tested at 0.025
     assert entries[2]["test"]["level"] == pytest.approx(0.025)
     assert "test" not in entries[3]
-    assert line == (
+    assert decision.line.startswith(
         "kept pos_corr + l1: held-out completion match 0.9, none 0 (better on 9, worse on 0 of "
-        "10 prompts, sign test p = 0.00195 <= 0.025)"
+        "10 prompts, signed-rank p = 0.00195 <= 0.025); with 10 prompts the test detects a mean "
+        "gain of >= "
     )
 
 
 def test_every_candidate_below_the_merge_says_so():
     entries = [_entry("none", None, [1, 1, 0]), _entry("standard", "l1", [0, 1, 0])]
-    chosen, line = decide(entries, ["none", "standard + l1"], "completion_match", 0.05)
-    assert chosen == 0
-    assert line.startswith(
+    decision = decide(entries, ["none", "standard + l1"], "completion_match", 0.05)
+    assert decision.chosen == 0
+    assert decision.line.startswith(
         "kept no correction: every candidate scored below the merge on held-out completions"
     )
 
@@ -324,5 +424,8 @@ def test_only_diverged_corrections_keep_the_merge_and_say_why():
         _entry("none", None, [0, 1]),
         {**_entry("standard", "l1", [1, 1]), "diverged": "NaN"},
     ]
-    chosen, line = decide(entries, ["none", "standard + l1"], "completion_match", 0.05)
-    assert (chosen, line) == (0, "kept no correction: every correction's training diverged")
+    decision = decide(entries, ["none", "standard + l1"], "completion_match", 0.05)
+    assert (decision.chosen, decision.line) == (
+        0,
+        "kept no correction: every correction's training diverged",
+    )

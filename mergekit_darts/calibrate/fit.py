@@ -23,6 +23,8 @@ from mergekit_darts.calibrate.selection import (
     HeldOut,
     candidate_label,
     choose,
+    cross_fitted_metrics,
+    fold_split,
     held_out_metrics,
     holdout_split,
 )
@@ -33,7 +35,13 @@ from mergekit_darts.calibrate.train import (
     measure_bias,
     train_surgery,
 )
-from mergekit_darts.calibrate.verdict import HeldOutCompletions, completion_scores, decide, mean
+from mergekit_darts.calibrate.verdict import (
+    VERDICT_TEST,
+    HeldOutCompletions,
+    completion_scores,
+    decide,
+    mean,
+)
 from mergekit_darts.config import OVERRIDABLE, ResolvedTask
 from mergekit_darts.config.schema import default
 from mergekit_darts.core.modules import SurgeryModule, build_module
@@ -156,28 +164,46 @@ def _converged(run: TaskRun, task: ResolvedTask, result: TrainResult) -> TrainRe
     )
 
 
+def judged_rows(task: ResolvedTask, n: int) -> torch.Tensor:
+    """The prompts the selection judges, of ``n``: every one with folds, else the held-out share
+    (the split training uses: ``holdout_split`` of the task's count and seed)."""
+    if task.select is not None and task.select.folds is not None:
+        return torch.arange(n)
+    return holdout_split(n, task.holdout, task.seed)[1]
+
+
+def _splits(run: TaskRun) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(training rows, judged rows) per fit of a candidate: one per fold, or the one split."""
+    task, n = run.task, len(run.sequences)
+    if task.select.folds is None:
+        return [(run.train_rows, run.held_rows)]
+    every = torch.arange(n)
+    return [
+        (every[~torch.isin(every, judged)], judged)
+        for judged in fold_split(n, task.select.folds, task.seed)
+    ]
+
+
 def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule]:
-    """Every candidate on the training rows, scored on the held-out rows; returns the best.
+    """Every candidate trained on each split's training rows, scored on its judged rows; returns
+    the best candidate and its module (with folds, the first fold's: the refit replaces it).
 
     The score covers the task's loss positions; with completions each candidate is also
     measured on the completion tokens alone (recorded, not used for the choice). With a verdict
     metric the choice is :func:`~mergekit_darts.calibrate.verdict.decide`'s, on the target's
-    completions of the held-out prompts (``none`` unless a correction passes). A candidate
-    whose training diverged is left out of the choice, with a warning and its reason recorded
-    as ``diverged`` in its manifest entry (its numbers are null); if every one did, the run stops.
+    completions of the judged prompts (``none`` unless a correction passes). A candidate
+    whose training diverged (on any fold) is left out of the choice, with a warning and its
+    reason recorded as ``diverged`` in its manifest entry (its numbers are null); if every one
+    did, the run stops.
     """
     task, select = run.task, run.task.select
-    counted = in_rows(run.loss_mask(task), run.held_rows)
-    completion = None
-    if run.completion_mask is not None:
-        completion = in_rows(
-            run.merged.mask & run.completion_mask.to(counted.device), run.held_rows
-        )
+    splits = _splits(run)
     candidates, results, entries = task.candidates(), [], []
     for candidate in candidates:
-        result = _fit(run, candidate, runtime, run.train_rows)
-        results.append(result)
-        if (reason := result.divergence()) is not None:
+        fits = [_fit(run, candidate, runtime, train) for train, _ in splits]
+        results.append(fits[0])
+        reason = next((r for fit in fits if (r := fit.divergence()) is not None), None)
+        if reason is not None:
             LOG.warning(
                 "surgery task %r: select candidate %s + %s (lr %g) diverged (%s); left out of "
                 "the choice",
@@ -190,14 +216,13 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
             nothing = dict.fromkeys(("agreement", "kl", "rho_l1"))
             entries.append({**settings_of(candidate), "held_out": nothing, "diverged": reason})
             continue
-        held = held_out_metrics(result.module, run.merged, run.target, counted).summary()
-        if completion is not None and completion.any():
-            held["completion"] = held_out_metrics(
-                result.module, run.merged, run.target, completion
-            ).summary()
-        entry = {**settings_of(candidate), "held_out": held, "final_loss": result.final_loss}
+        held = _judged_metrics(run, fits, splits)
+        final = [fit.final_loss for fit in fits]
+        entry = {**settings_of(candidate), "held_out": held, "final_loss": final[0]}
+        if len(fits) > 1:
+            entry["final_loss"] = final  # one per fold
         if run.held_completions is not None:
-            entry["verdict"] = completion_scores(result.module, run.held_completions)
+            entry["verdict"] = _verdict_scores(run, fits, splits)
             held.update({name: mean(values) for name, values in entry["verdict"].items()})
         entries.append(entry)
     if all("diverged" in e for e in entries):
@@ -207,26 +232,77 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
             f"{', '.join(sorted({f'{c.lr:g}' for c in candidates}))}, default {DEFAULT_LR}); "
             "the merged model and any existing surgery/ folder are unchanged"
         )
-    verdict = None
+    decision = None
     if run.held_completions is None:
         chosen = choose([e["held_out"][select.metric] for e in entries], select.metric)
     else:
         labels = [candidate_label(e, entries) for e in entries]
-        chosen, verdict = decide(entries, labels, select.metric, select.alpha)
-    run.result = results[chosen]
-    run.selection = {
-        "metric": select.metric,
-        "holdout": task.holdout,
-        "holdout_sha256": run.held_sha256(),
-        "refit": select.refit,
-        "candidates": entries,
-        "chosen": chosen,
-    }
-    if verdict is not None:
+        decision = decide(entries, labels, select.metric, select.alpha)
+        chosen = decision.chosen
+    run.selection = {"metric": select.metric, **_judged_record(run, splits)}
+    run.selection.update(refit=select.refit, candidates=entries, chosen=chosen)
+    if decision is not None:
         run.selection.update(
-            completion_tokens=select.completion_tokens, alpha=select.alpha, verdict=verdict
+            completion_tokens=select.completion_tokens,
+            alpha=select.alpha,
+            test=VERDICT_TEST,
+            detectable=decision.detectable,
+            verdict=decision.line,
         )
+    run.result = results[chosen]
     return candidates[chosen], results[chosen].module
+
+
+def _judged_record(run: TaskRun, splits: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Which prompts judged the candidates, by sha256: the held-out share, or every fold."""
+    sha = run.prompts.sha256
+    if run.task.select.folds is None:
+        return {"holdout": run.task.holdout, "holdout_sha256": run.held_sha256()}
+    return {
+        "folds": run.task.select.folds,
+        "fold_sha256": [[sha[i] for i in judged.tolist()] for _, judged in splits],
+    }
+
+
+def _judged_metrics(
+    run: TaskRun,
+    fits: list[TrainResult],
+    splits: list[tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, Any]:
+    """The selection metrics of one candidate on its judged rows (pooled over folds): on its loss
+    positions, and on the completion tokens alone when there are completions."""
+    modules = [fit.module for fit in fits]
+    judged = [rows for _, rows in splits]
+
+    def pooled(mask: torch.Tensor) -> HeldOut | None:
+        parts = [(m, in_rows(mask, rows)) for m, rows in zip(modules, judged, strict=True)]
+        if not any(counted.any() for _, counted in parts):
+            return None
+        return cross_fitted_metrics(parts, run.merged, run.target)
+
+    held = pooled(run.loss_mask()).summary()  # the task's loss positions: one set for all
+    if run.completion_mask is not None:
+        completion = pooled(run.merged.mask & run.completion_mask.to(run.merged.mask.device))
+        if completion is not None:
+            held["completion"] = completion.summary()
+    return held
+
+
+def _verdict_scores(
+    run: TaskRun, fits: list[TrainResult], splits: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, list[float | None]]:
+    """Per judged prompt (in the order of ``run.held_completions``), each fold's module scoring
+    the prompts it did not train on."""
+    order = judged_rows(run.task, len(run.sequences)).tolist()
+    where = {prompt: row for row, prompt in enumerate(order)}
+    scores: dict[str, list[float | None]] = {}
+    for fit, (_, judged) in zip(fits, splits, strict=True):
+        rows = [where[prompt] for prompt in judged.tolist()]
+        for name, values in completion_scores(fit.module, run.held_completions, rows).items():
+            column = scores.setdefault(name, [None] * len(order))
+            for row, value in zip(rows, values, strict=True):
+                column[row] = value
+    return scores
 
 
 def _held_out_entry(run: TaskRun, module: SurgeryModule, *, saved: bool) -> dict[str, Any]:

@@ -36,10 +36,14 @@ from mergekit_darts.calibrate.data import (
     read_prompts,
     tokenize_prompts,
 )
-from mergekit_darts.calibrate.fit import TaskRun, require_completion_tokens, train_task
+from mergekit_darts.calibrate.fit import (
+    TaskRun,
+    judged_rows,
+    require_completion_tokens,
+    train_task,
+)
 from mergekit_darts.calibrate.fit_router import FittedRouter, fit_router, route_classes
 from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer, stage
-from mergekit_darts.calibrate.selection import holdout_split
 from mergekit_darts.calibrate.store import CaptureStore, check_cache_dir
 from mergekit_darts.calibrate.verdict import HeldOutCompletions, completion_reference
 from mergekit_darts.calibrate.write import calibration_record, write_surgery
@@ -47,6 +51,7 @@ from mergekit_darts.config import (
     ResolvedTask,
     SurgeryConfig,
     calibration_file,
+    check_folds,
     check_holdout,
     check_output,
     check_route_holdout,
@@ -148,6 +153,7 @@ def prepare_surgery(
     prompts = {task.name: load_prompts(task) for task in tasks}
     for task in tasks:
         check_holdout(task, len(prompts[task.name].texts))
+        check_folds(task, len(prompts[task.name].texts))
     background_prompts = None
     if config.route is not None:
         counts = {name: len(prompts[name].texts) for name in route_tasks(config)}
@@ -318,16 +324,17 @@ def capture_tasks(
 
 
 def _verdict_calibration(run: TaskRun, target: str) -> Calibration:
-    """The held-out prompts, to be completed by the target for the verdict (calibrate.verdict).
+    """The judged prompts, to be completed by the target for the verdict (calibrate.verdict).
 
-    The split is the one training uses (``holdout_split`` of the task's count and seed).
+    With folds, every prompt in order; else the held-out ones of the split training uses
+    (``holdout_split`` of the task's count and seed).
     """
     task, metric = run.task, f"metric {run.task.select.metric}"
-    _, held = holdout_split(len(run.prompt_ids), task.holdout, task.seed)
+    judged = judged_rows(task, len(run.prompt_ids))
     return Calibration(
         name=task.name,  # messages name the task
         target_path=target,
-        prompt_ids=[run.prompt_ids[i] for i in held.tolist()],
+        prompt_ids=[run.prompt_ids[i] for i in judged.tolist()],
         continuation_tokens=task.select.completion_tokens,
         batch_size=task.batch_size,
         with_head=True,

@@ -1,6 +1,7 @@
 """Held-out measurement and selection: which correction helps this merge, on the user's own data.
 
-A seeded fraction of the calibration prompts is held out from training. On it, for the merged
+A seeded fraction of the calibration prompts is held out from training (or, cross-fitting,
+each of a seeded split into folds in turn). On it, for the merged
 model before and after its module, three numbers say how close the merge comes to its target:
 top-1 agreement with the target's next token, KL(target || merge) of the next-token
 distributions (both through each model's real output path, :mod:`.head`), and rho_L1 of the
@@ -64,36 +65,54 @@ def logits_comparable(merged: Captured, target: Captured) -> bool:
     return merged.head.vocab_size == target.head.vocab_size
 
 
-@torch.no_grad()
+def fold_split(n: int, folds: int, seed: int) -> list[torch.Tensor]:
+    """``folds`` disjoint sorted row sets covering ``n`` sequences, their sizes differing by one
+    at most (cross-fitting); ``seed`` fixes the draw, as in :func:`holdout_split`."""
+    if not 2 <= folds <= n:
+        raise ValueError(f"{folds} folds of {n} prompts: need 2 <= folds <= prompts")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return [part.sort().values for part in torch.tensor_split(order, folds)]
+
+
 def held_out_metrics(
     module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor
 ) -> HeldOut:
     """Agreement, KL and rho_L1 before / after ``module`` over the ``counted`` [N, T] tokens."""
+    return cross_fitted_metrics([(module, counted)], merged, target)
+
+
+@torch.no_grad()
+def cross_fitted_metrics(
+    parts: Sequence[tuple[SurgeryModule, torch.Tensor]], merged: Captured, target: Captured
+) -> HeldOut:
+    """:func:`held_out_metrics` pooled over ``(module, counted)`` parts: each fold's module on
+    the tokens it did not train on; the sums are pooled, so every token weighs the same."""
     with_logits = logits_comparable(merged, target)
     sums = torch.zeros(6, dtype=torch.float64)  # agree b/a, kl b/a, delta b/a
     tokens = 0
-    module = module.eval()
     device = merged.hidden.device
-    counted = counted.to(device=device, dtype=torch.bool)
-    for start in range(0, counted.shape[0], ROWS_PER_STEP):
-        rows = slice(start, start + ROWS_PER_STEP)
-        keep = counted[rows]
-        if not keep.any():
-            continue
-        h = merged.hidden[rows][keep].to(torch.float32)  # [P, H]
-        h_star = target.hidden[rows][keep].to(torch.float32)
-        h_hat = module(h, positions_of(merged.mask[rows])[keep])
-        tokens += h.shape[0]
-        sums[4] += delta(h, h_star).sum().double()
-        sums[5] += delta(h_hat, h_star).sum().double()
-        if with_logits:
-            for part in logit_chunks(h.shape[0]):
-                target_logits = target.head.logits(h_star[part])
-                best = target_logits.argmax(-1)
-                for i, x in enumerate((h[part], h_hat[part])):
-                    logits = merged.head.logits(x)
-                    sums[i] += (logits.argmax(-1) == best).sum().double()
-                    sums[2 + i] += token_kl(target_logits, logits).sum().double()
+    for module, counted in parts:
+        module = module.eval()
+        counted = counted.to(device=device, dtype=torch.bool)
+        for start in range(0, counted.shape[0], ROWS_PER_STEP):
+            rows = slice(start, start + ROWS_PER_STEP)
+            keep = counted[rows]
+            if not keep.any():
+                continue
+            h = merged.hidden[rows][keep].to(torch.float32)  # [P, H]
+            h_star = target.hidden[rows][keep].to(torch.float32)
+            h_hat = module(h, positions_of(merged.mask[rows])[keep])
+            tokens += h.shape[0]
+            sums[4] += delta(h, h_star).sum().double()
+            sums[5] += delta(h_hat, h_star).sum().double()
+            if with_logits:
+                for part in logit_chunks(h.shape[0]):
+                    target_logits = target.head.logits(h_star[part])
+                    best = target_logits.argmax(-1)
+                    for i, x in enumerate((h[part], h_hat[part])):
+                        logits = merged.head.logits(x)
+                        sums[i] += (logits.argmax(-1) == best).sum().double()
+                        sums[2 + i] += token_kl(target_logits, logits).sum().double()
     if tokens == 0:
         raise ValueError("no held-out token to measure on")
     rho = rho_from_sums(sums[4], sums[5])

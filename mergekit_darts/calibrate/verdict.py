@@ -1,27 +1,30 @@
 """The held-out verdict: keep a correction only where it beats the merge as it is, where it counts.
 
 A task's score is decided by what the model generates after a prompt, so the verdict is measured
-there: each held-out calibration prompt is completed greedily by the target, and each candidate
+there: each judged calibration prompt is completed greedily by the target, and each candidate
 (``{module: none}``, the merge as it is, always among them) is teacher-forced on prompt +
 completion. At the positions that predict the completion (the last prompt token through the last
 completion token, whose next token is the end of the sequence when the target stopped before
-``completion_tokens``) three numbers per prompt say how close the corrected merge comes:
+``completion_tokens``) four numbers per prompt say how close the corrected merge comes:
 
-- ``completion_match``: 1 when its top-1 token is the target's next token at every such position
-  (at the end: one of the merged model's end-of-sequence ids), else 0. Greedy decoding emits the
-  top-1 token, so this is exactly "its greedy completion equals the target's" (up to the rounding
-  of the cached hidden states): exact match against the expert. It needs the merged model's LM
-  head only, so a target with appended tokens (``target_vocab: prefix``) is measured too.
+- ``completion_prefix``: how many of those positions, from the first, have the target's next
+  token as the top-1 token (at the end: one of the merged model's end-of-sequence ids) before the
+  first that does not. Greedy decoding emits the top-1 token, so this is exactly how many tokens of
+  the target's greedy completion the corrected merge's own greedy completion reproduces (up to the
+  rounding of the cached hidden states): a graded exact match, which long answers can improve
+  without matching whole. It needs the merged model's LM head only, so a target with appended
+  tokens (``target_vocab: prefix``) is measured too.
+- ``completion_match``: 1 when the whole completion is reproduced, else 0.
 - ``completion_agreement``: the share of those positions where the top-1 tokens agree.
 - ``completion_rho_l1``: rho_L1 of the hidden states over those positions.
 
-A candidate is kept only when a one-sided exact sign test over the held-out prompts (how many
-prompts it scores above ``none`` against below it; ties carry no information) rejects "no better
-than none" at ``alpha`` divided by the number of corrections tried (Bonferroni). So under the null
-that no correction beats the merge, a correction is kept with probability at most ``alpha``, and
-with few held-out prompts none can pass (10 prompts need 9 better and 1 worse at most for
-``alpha = 0.05`` and one correction) and the merge stays as it is. Among corrections that pass,
-the best mean wins.
+A candidate is kept only when a one-sided exact Wilcoxon signed-rank test over the judged prompts
+(:func:`signed_rank_test`: the sizes of the per-prompt differences against ``none``, not only their
+signs) rejects "no better than none" at ``alpha`` divided by the number of corrections tried
+(Bonferroni). So when no correction beats the merge (each prompt's difference as likely negative as
+positive), a correction is kept with probability at most ``alpha``. Among corrections that pass, the
+best mean wins. The verdict line also says the smallest mean gain the test detects with this many
+prompts (:func:`detectable_gain`), so "no gain" can be told from "too few prompts".
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
+import numpy as np
 import torch
 
 from mergekit_darts.calibrate.capture import Captured
@@ -39,11 +44,14 @@ from mergekit_darts.core.metrics import delta, rho_from_sums
 from mergekit_darts.core.modules import SurgeryModule
 
 NAMES = {
+    "completion_prefix": "reproduced completion tokens",
     "completion_match": "completion match",
     "completion_agreement": "completion agreement",
     "completion_rho_l1": "completion ρ_L1",
 }
 END_OF_COMPLETION = -1  # the reference at a position that predicts the end of the completion
+VERDICT_TEST = "one-sided exact Wilcoxon signed-rank test against none, Bonferroni over corrections"
+DETECT_POWER = 0.8  # the power at which the verdict line states the smallest detectable mean gain
 
 
 @dataclass(frozen=True)
@@ -81,17 +89,18 @@ def completion_reference(
 
 @torch.no_grad()
 def completion_scores(
-    module: SurgeryModule, held: HeldOutCompletions
+    module: SurgeryModule, held: HeldOutCompletions, rows: Sequence[int] | None = None
 ) -> dict[str, list[float | None]]:
-    """Per held-out prompt: completion match and agreement (None without a verified merged LM
-    head) and rho_L1 (None where the merge already equals the target) of ``module``."""
+    """Per judged prompt (``rows`` of ``held``, default all, in that order): the completion
+    prefix, match and agreement (None without a verified merged LM head) and rho_L1 (None where
+    the merge already equals the target) of ``module``."""
     head = held.merged.head
     with_logits = head is not None and bool(head.verified)
     module = module.eval()
     device = held.merged.hidden.device
     eos = torch.tensor(sorted(held.eos_ids), dtype=torch.long, device=device)
     scores: dict[str, list[float | None]] = {name: [] for name in NAMES}
-    for row in range(held.predicting.shape[0]):
+    for row in range(held.predicting.shape[0]) if rows is None else rows:
         keep = held.predicting[row].to(device)
         h = held.merged.hidden[row][keep].to(torch.float32)  # [P, H]
         h_star = held.target.hidden[row][keep].to(torch.float32)
@@ -99,33 +108,93 @@ def completion_scores(
         before, after = delta(h, h_star).double().sum(), delta(h_hat, h_star).double().sum()
         scores["completion_rho_l1"].append(rho_from_sums(before, after))
         if not with_logits:
-            scores["completion_match"].append(None)
-            scores["completion_agreement"].append(None)
+            for name in ("completion_prefix", "completion_match", "completion_agreement"):
+                scores[name].append(None)
             continue
         wanted = held.reference[row].to(device)[keep]
         top1 = head.top1(h_hat).to(device)
-        agree = int(
-            torch.where(wanted == END_OF_COMPLETION, torch.isin(top1, eos), top1 == wanted).sum()
-        )
+        agrees = torch.where(wanted == END_OF_COMPLETION, torch.isin(top1, eos), top1 == wanted)
+        agree, prefix = int(agrees.sum()), int(agrees.long().cumprod(0).sum())
+        scores["completion_prefix"].append(float(prefix))
         scores["completion_agreement"].append(agree / h.shape[0])
         scores["completion_match"].append(float(agree == h.shape[0]))
     return scores
 
 
-def sign_test(candidate: Sequence[float | None], none: Sequence[float | None]) -> dict[str, Any]:
-    """One-sided exact sign test of "``candidate`` scores above ``none``" over paired prompts.
+def signed_rank_test(
+    candidate: Sequence[float | None], none: Sequence[float | None]
+) -> dict[str, Any]:
+    """One-sided exact Wilcoxon signed-rank test of "``candidate`` scores above ``none``".
 
-    ``better``/``worse``: prompts where the candidate scores above / below; ties and missing
-    values are dropped. ``p`` = P(Binomial(better + worse, 1/2) >= better); 1 with no pair left.
+    Over the paired prompts (missing values dropped), the differences of zero carry no
+    information and are dropped too (Wilcoxon's treatment); the rest are ranked by size, tied sizes
+    sharing their mean rank. ``statistic`` is the rank sum of the positive differences and ``p`` the
+    share of the ``2**n`` ways to sign those ranks that reach it: exact, given the ranks, whenever
+    each difference is as likely negative as positive (no candidate better than ``none``). With
+    0/1 outcomes every rank is equal and this is the sign test. ``better`` / ``worse``: prompts
+    the candidate scores above / below ``none``; ``p`` is 1 with no difference.
     """
     pairs = [
         (a, b) for a, b in zip(candidate, none, strict=True) if a is not None and b is not None
     ]
-    better = sum(a > b for a, b in pairs)
-    worse = sum(a < b for a, b in pairs)
-    n = better + worse
-    p = sum(math.comb(n, k) for k in range(better, n + 1)) / 2**n if n else 1.0
-    return {"better": better, "worse": worse, "prompts": len(pairs), "p": p}
+    differences = np.array([a - b for a, b in pairs if a != b], dtype=np.float64)
+    record = {
+        "better": int((differences > 0).sum()),
+        "worse": int((differences < 0).sum()),
+        "prompts": len(pairs),
+    }
+    if not differences.size:
+        return {**record, "statistic": 0.0, "p": 1.0}
+    doubled = _doubled_ranks(np.abs(differences))  # integers: mean ranks are halves at most
+    observed = int(doubled[differences > 0].sum())
+    null = np.zeros(int(doubled.sum()) + 1)  # P(doubled positive rank sum = s), built rank by rank
+    null[0] = 1.0
+    for rank in doubled:
+        null[rank:] = 0.5 * null[rank:] + 0.5 * null[:-rank]
+        null[:rank] *= 0.5
+    return {**record, "statistic": observed / 2, "p": min(1.0, float(null[observed:].sum()))}
+
+
+def _doubled_ranks(sizes: np.ndarray) -> np.ndarray:
+    """Twice the mean ranks (1 = smallest) of ``sizes``, ties sharing theirs: integers."""
+    order = np.argsort(sizes, kind="stable")
+    ranks = np.empty(len(sizes), dtype=np.int64)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and sizes[order[end + 1]] == sizes[order[start]]:
+            end += 1
+        ranks[order[start : end + 1]] = start + end + 2  # (start + 1) + (end + 1)
+        start = end + 1
+    return ranks
+
+
+def fewest_changes(level: float) -> int:
+    """How many prompts must change, every one for the better, before the test can pass at
+    ``level``: the smallest one-sided p-value with ``n`` changed prompts is ``2**-n``."""
+    return math.ceil(math.log2(1 / level) - 1e-12)
+
+
+def detectable_gain(differences: Sequence[Sequence[float]], level: float) -> float | None:
+    """The smallest mean gain over ``none`` the test detects with power :data:`DETECT_POWER`.
+
+    From the normal approximation of a one-sided paired test at ``level`` with ``n`` prompts,
+    ``(z[1 - level] + z[power]) * s / sqrt(n)``, where ``s`` is the spread the null gives the
+    per-prompt differences against ``none`` observed over the corrections tried (the root mean
+    square, pooled: a sign-flip null has variance ``sum d**2``), and ``n`` is scaled by 3/pi, the
+    signed-rank test's efficiency against the t-test for normal differences. Never below what the
+    exact test needs at all: :func:`fewest_changes` prompts, each by the smallest change seen.
+    None when no correction changed any prompt's outcome (nothing to scale by).
+    """
+    rows = [np.asarray(d, dtype=np.float64) for d in differences if len(d)]
+    if not rows or not any(r.any() for r in rows):
+        return None
+    n = min(len(r) for r in rows)
+    spread = math.sqrt(float(np.mean([np.mean(r**2) for r in rows])))
+    smallest = min(float(np.abs(r[r != 0]).min()) for r in rows if r.any())
+    z = NormalDist().inv_cdf
+    normal = (z(1 - level) + z(DETECT_POWER)) * spread / math.sqrt(n * 3 / math.pi)
+    return max(normal, fewest_changes(level) * smallest / n)
 
 
 def mean(values: Sequence[float | None]) -> float | None:
@@ -134,13 +203,22 @@ def mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the verdict kept, the line that says so, and what its test could see."""
+
+    chosen: int  # index of the kept candidate
+    line: str
+    detectable: dict[str, Any] | None = None  # the smallest detectable mean gain, and at what
+
+
 def decide(
     entries: list[dict[str, Any]], labels: Sequence[str], metric: str, alpha: float
-) -> tuple[int, str]:
-    """(index of the kept candidate, the verdict in one line) from the candidates' manifest
-    entries (each with ``verdict`` per-prompt scores, or ``diverged``); records each test.
+) -> Decision:
+    """What to keep, from the candidates' manifest entries (each with ``verdict`` per-prompt
+    scores, or ``diverged``); records each correction's test in its entry.
 
-    ``none`` is kept unless a correction's sign test against it passes at ``alpha`` / the
+    ``none`` is kept unless a correction's signed-rank test against it passes at ``alpha`` / the
     number of corrections measured; among those that pass, the best mean of ``metric`` wins
     (the first on a tie).
     """
@@ -158,32 +236,58 @@ def decide(
         why = (
             "every correction's training diverged" if corrections else "none was the only candidate"
         )
-        return none, f"kept no correction: {why}"
+        return Decision(none, f"kept no correction: {why}")
     level = alpha / len(tried)
     for i in tried:
-        entries[i]["test"] = {**sign_test(entries[i]["verdict"][metric], baseline), "level": level}
+        test = signed_rank_test(entries[i]["verdict"][metric], baseline)
+        entries[i]["test"] = {**test, "level": level}
+    differences = [_differences(entries[i]["verdict"][metric], baseline) for i in tried]
+    gain = detectable_gain(differences, level)
+    prompts = max(entries[i]["test"]["prompts"] for i in tried)
+    detectable = {"mean_gain": gain, "power": DETECT_POWER, "prompts": prompts, "level": level}
     passing = [i for i in tried if entries[i]["test"]["p"] <= level]
     best = max(passing or tried, key=lambda i: _rank(entries[i]["held_out"][metric]))
     test, score = entries[best]["test"], entries[best]["held_out"][metric]
     counts = (
         f"better on {test['better']}, worse on {test['worse']} of {test['prompts']} prompts, "
-        f"sign test p = {test['p']:.3g}"
+        f"signed-rank p = {test['p']:.3g}"
     )
+    if fewest_changes(level) > prompts:
+        detectable["mean_gain"] = None
+        power = (
+            f"with {prompts} prompts no correction can pass (the test needs at least "
+            f"{fewest_changes(level)} prompts changed, all for the better)"
+        )
+    elif gain is None:
+        power = f"no correction changed any of the {prompts} prompts' {name}"
+    else:
+        power = (
+            f"with {prompts} prompts the test detects a mean gain of >= {gain:.3g} in {name} "
+            f"({DETECT_POWER:.0%} power)"
+        )
     if passing:
-        return best, (
+        return Decision(
+            best,
             f"kept {labels[best]}: held-out {name} {_fmt(score)}, none {_fmt(base_mean)} "
-            f"({counts} <= {level:.3g})"
+            f"({counts} <= {level:.3g}); {power}",
+            detectable,
         )
     below = all(_rank(entries[i]["held_out"][metric]) < _rank(base_mean) for i in tried)
     why = (
         "every candidate scored below the merge"
         if below
-        else "no candidate beat the merge by the sign test"
+        else "no candidate beat the merge by the signed-rank test"
     )
-    return none, (
+    return Decision(
+        none,
         f"kept no correction: {why} on held-out completions (best {labels[best]}: {name} "
-        f"{_fmt(score)}, none {_fmt(base_mean)}; {counts} > {level:.3g})"
+        f"{_fmt(score)}, none {_fmt(base_mean)}; {counts} > {level:.3g}); {power}",
+        detectable,
     )
+
+
+def _differences(candidate: Sequence[float | None], none: Sequence[float | None]) -> list[float]:
+    return [a - b for a, b in zip(candidate, none, strict=True) if a is not None and b is not None]
 
 
 def _rank(value: float | None) -> float:

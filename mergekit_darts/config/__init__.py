@@ -28,6 +28,7 @@ from mergekit_darts.config.preflight import (
 )
 from mergekit_darts.config.resolve import (
     ResolvedTask,
+    check_folds,
     check_holdout,
     check_route_holdout,
     holdout_count,
@@ -67,6 +68,7 @@ __all__ = [
     "SurgeryConfig",
     "by_files",
     "calibration_file",
+    "check_folds",
     "check_holdout",
     "check_route_holdout",
     "check_output",

@@ -144,6 +144,15 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
     else:
         select, select_key = SelectConfig(), "surgery.select"
     default = select is not None and task.select is None and config.select is None
+    if select is not None and select.folds is not None:
+        _check_folds(select, select_key, task, key)
+        return {
+            "holdout": 0.0,  # every prompt is judged once, by the folds
+            "holdout_key": f"{select_key}.folds",
+            "select": select,
+            "select_key": select_key,
+            "select_default": default,
+        }
     if task.holdout is not None:
         holdout, holdout_key = task.holdout, f"{key}.holdout"
     elif select is not None and not (default and config.holdout):
@@ -157,6 +166,36 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
         "select_key": select_key if select is not None else "",
         "select_default": default,
     }
+
+
+def _check_folds(select: SelectConfig, select_key: str, task: TaskConfig, key: str) -> None:
+    """Cross-fitting judges every prompt, so no share is held out and the kept one is refit."""
+    if "holdout" in select.model_fields_set:
+        raise SurgeryConfigError(
+            f"{select_key}: holdout and folds both say which prompts judge the candidates; give "
+            "folds (every prompt judged once) or holdout (one share), not both"
+        )
+    if task.holdout is not None:
+        raise SurgeryConfigError(
+            f"{key}.holdout: {select_key}.folds already judges every prompt once; remove the "
+            "holdout"
+        )
+    if not select.refit:
+        raise SurgeryConfigError(
+            f"{select_key}.refit: false keeps the module trained on part of the prompts, but "
+            "with folds each candidate is trained once per fold; remove refit: false (the kept "
+            "settings are refit on every prompt) or use holdout instead of folds"
+        )
+
+
+def check_folds(task: ResolvedTask, num_prompts: int) -> None:
+    """Each fold must hold a prompt and leave one to train on; run once the prompts are read."""
+    folds = task.select.folds if task.select is not None else None
+    if folds is not None and folds > num_prompts:
+        raise SurgeryConfigError(
+            f"{task.select_key}.folds: {folds} folds need at least {folds} calibration prompts, "
+            f"and task {task.name!r} has {num_prompts}; lower folds or give more prompts"
+        )
 
 
 def _chooses_own_module(config: SurgeryConfig, task: TaskConfig) -> bool:

@@ -55,10 +55,16 @@ CacheDtype = Literal["bfloat16", "float16", "float32"]
 TargetVocab = Literal["exact", "prefix"]
 # held-out selection metrics on the held-out prompts' tokens: top-1 agreement with the target
 # (higher is better), KL(target || corrected merge) (lower), rho_L1 (higher); and the verdict's, on
-# the target's own greedy completions of the held-out prompts (calibrate.verdict): the share of
+# the target's own greedy completions of the judged prompts (calibrate.verdict): the share of
 # prompts whose completion the corrected merge reproduces exactly (teacher-forced), per-prompt
-# top-1 agreement and rho_L1 over the positions that predict the completion
-VERDICT_METRICS = ("completion_match", "completion_agreement", "completion_rho_l1")
+# top-1 agreement and rho_L1 over the positions that predict the completion, and how many
+# completion tokens it reproduces before the first it gets wrong
+VERDICT_METRICS = (
+    "completion_match",
+    "completion_agreement",
+    "completion_rho_l1",
+    "completion_prefix",
+)
 SelectMetric = Literal["agreement", "kl", "rho_l1", *VERDICT_METRICS]
 # the block's default candidates: the merge as it is, then Standard + L1 (Yang et al.),
 # pos_corr + L1 and DARTS (pos_corr + EWL1)
@@ -121,16 +127,20 @@ def _off(value: Any) -> Any:
 class SelectConfig(StrictBlock):
     """Train every candidate on the prompts not held out; keep the best on the held-out ones.
 
-    With a ``completion_*`` metric (the default) the held-out prompts are completed by the
-    target, ``{module: none}`` is always a candidate, and a correction is kept only when a
-    one-sided sign test over the held-out prompts says it beats ``none`` (calibrate.verdict).
+    ``folds`` cross-fits instead of holding one share out: the prompts are split into that many
+    folds, each candidate is trained once per fold on the other folds and judged on it, so every
+    prompt is judged once. With a ``completion_*`` metric (the default) the judged prompts are
+    completed by the target, ``{module: none}`` is always a candidate, and a correction is kept
+    only when a one-sided signed-rank test over those prompts says it beats ``none``
+    (calibrate.verdict).
     """
 
     candidates: list[Candidate] = Field(default_factory=_default_candidates, min_length=1)
     holdout: Fraction = 0.2
+    folds: Annotated[StrictInt, Field(ge=2)] | None = None
     metric: SelectMetric = "completion_match"
     completion_tokens: PositiveInt = 32  # the target's greedy completion of a held-out prompt
-    alpha: Fraction = 0.05  # family-wise level of the sign tests against none (Bonferroni)
+    alpha: Fraction = 0.05  # family-wise level of the tests against none (Bonferroni)
     refit: StrictBool = True  # retrain the chosen settings on every prompt before saving
 
 

@@ -127,7 +127,7 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
     for task, entry in tasks.items():
         held = entry.held_out
         selection = entry.selection
-        if held is None:
+        if held is None and selection is None:
             continue
         candidates = selection["candidates"] if selection else [None]
         for index, candidate in enumerate(candidates):
@@ -141,10 +141,7 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
                 numbers = [candidate["held_out"][k] for k in ("agreement", "kl", "rho_l1")]
                 kept = f"✓ by {selection['metric']}" if index == selection["chosen"] else ""
                 kept = "diverged" if "diverged" in candidate else kept
-            before = (
-                f"{_number(held['all']['agreement_before'])} / "
-                f"{_number(held['all']['kl_before'], '.3g')}"
-            )
+            before = _uncorrected(held, selection)
             rows.append(
                 f"| `{task}` | {label} | {_number(numbers[0])} | {_number(numbers[1], '.3g')} | "
                 f"{_number(numbers[2])} | {before if index == 0 else ''} | {kept} |"
@@ -157,8 +154,8 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
     return [
         "### Held-out measurement and selection",
         "",
-        "Measured on calibration prompts held out from training (their sha256 are in the "
-        "manifest): top-1 agreement of the corrected merge with the target's next token, "
+        "Measured on calibration prompts held out from training (with `folds`: every prompt, by "
+        "the modules that did not train on it; their sha256 are in the manifest): top-1 agreement of the corrected merge with the target's next token, "
         "KL(target ‖ corrected merge), ρ_L1; the merge without surgery for comparison.",
         *(
             [
@@ -171,8 +168,8 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
         *(
             [
                 "With a `completion_*` metric (the default verdict) the target completed each "
-                "held-out prompt, and a correction was kept only where a one-sided sign test over "
-                "those prompts said it beats no correction there."
+                "judged prompt, and a correction was kept only where a one-sided signed-rank test "
+                "over those prompts said it beats no correction there."
             ]
             if any("verdict" in (e.selection or {}) for e in tasks.values())
             else []
@@ -184,6 +181,17 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
         "",
         *([*won, ""] if won else []),
     ]
+
+
+def _uncorrected(held: Mapping[str, Any] | None, selection: Mapping[str, Any] | None) -> str:
+    """The merge without surgery on the judged prompts, "agreement / KL": from the held-out
+    share, or (cross-fitted: no share held out) from the ``none`` candidate where there is one."""
+    if held is not None:
+        return f"{_number(held['all']['agreement_before'])} / {_number(held['all']['kl_before'], '.3g')}"
+    none = next((c for c in selection["candidates"] if c["module"] == "none"), None)
+    if none is None:
+        return "–"
+    return f"{_number(none['held_out']['agreement'])} / {_number(none['held_out']['kl'], '.3g')}"
 
 
 def _verdict_line(task: str, entry: TaskEntry, *, card: bool) -> str | None:
