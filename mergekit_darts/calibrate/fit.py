@@ -33,6 +33,7 @@ from mergekit_darts.calibrate.train import (
     TrainSettings,
     in_rows,
     measure_bias,
+    train_stacked,
     train_surgery,
 )
 from mergekit_darts.calibrate.verdict import (
@@ -133,23 +134,41 @@ def _fit(
     run: TaskRun, task: ResolvedTask, runtime: Runtime, rows: torch.Tensor | None
 ) -> TrainResult:
     """One module with ``task``'s settings, on the sequences ``rows`` (None: all)."""
-    module = build_module(
-        task.module, run.merged.hidden.shape[-1], task.rank, task.max_positions, seed=task.seed
-    )
+    settings, where = _training(run, task, runtime)
+    return train_surgery(_module(run, task), run.merged, run.target, settings, rows=rows, **where)
+
+
+def _fit_splits(
+    run: TaskRun, task: ResolvedTask, runtime: Runtime, rows: list[torch.Tensor | None]
+) -> list[TrainResult]:
+    """One module with ``task``'s settings per set of training rows (one per fold).
+
+    On a GPU the folds train together (:func:`~mergekit_darts.calibrate.train.train_stacked`):
+    a step of one module there costs about a kernel launch per operation, so K modules in one
+    batched step cost little more than one. On the CPU one after another: a step there is
+    bound by memory traffic, which stacking multiplies (docs/benchmarks.md).
+    """
+    if len(rows) == 1 or torch.device(runtime.device).type != "cuda":
+        return [_fit(run, task, runtime, r) for r in rows]
+    settings, where = _training(run, task, runtime)
+    modules = [_module(run, task) for _ in rows]
+    return train_stacked(modules, run.merged, run.target, settings, rows, **where)
+
+
+def _module(run: TaskRun, task: ResolvedTask) -> SurgeryModule:
+    hidden = run.merged.hidden.shape[-1]
+    return build_module(task.module, hidden, task.rank, task.max_positions, seed=task.seed)
+
+
+def _training(run: TaskRun, task: ResolvedTask, runtime: Runtime) -> tuple[TrainSettings, dict]:
+    """``task``'s optimisation settings and the keyword arguments every training call takes."""
     settings = TrainSettings(task.loss, task.steps, task.lr, task.batch_size, task.seed)
     loss_mask = None if task.loss_positions == "all" else run.loss_mask(task).to(runtime.device)
-    return train_surgery(
-        module,
-        run.merged,
-        run.target,
-        settings,
-        loss_mask=loss_mask,
-        rows=rows,
-        device=runtime.device,
-        progress=runtime.progress,
-        desc=f"{run.task.name}: "
-        + ("measure none" if task.module == "none" else f"train {task.module} + {task.loss}"),
+    desc = f"{run.task.name}: " + (
+        "measure none" if task.module == "none" else f"train {task.module} + {task.loss}"
     )
+    where = {"loss_mask": loss_mask, "device": runtime.device, "progress": runtime.progress}
+    return settings, {**where, "desc": desc}
 
 
 def _converged(run: TaskRun, task: ResolvedTask, result: TrainResult) -> TrainResult:
@@ -200,7 +219,7 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
     splits = _splits(run)
     candidates, results, entries = task.candidates(), [], []
     for candidate in candidates:
-        fits = [_fit(run, candidate, runtime, train) for train, _ in splits]
+        fits = _fit_splits(run, candidate, runtime, [train for train, _ in splits])
         results.append(fits[0])
         reason = next((r for fit in fits if (r := fit.divergence()) is not None), None)
         if reason is not None:

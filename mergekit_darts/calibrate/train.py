@@ -9,6 +9,7 @@ when it ends more than ``DIVERGENCE_FACTOR`` times worse than it started
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -97,13 +98,27 @@ def _batch_loss(
     h_star = target.hidden[rows, :width].to(torch.float32)
     mask = loss_mask[rows, :width]
     h_hat = module(h, positions_of(merged.mask[rows, :width]))
+    if loss in losses.LOGIT_LOSSES:
+        pred_logits = merged.head.logits(h_hat)
+        target_logits = target.head.logits(h_star)
+        return getattr(losses, loss)(pred_logits, target_logits, mask)
+    entropy = None if target.entropy is None else target.entropy[rows, :width]
+    return _loss_of(loss, h_hat, h_star, entropy, mask)
+
+
+def _loss_of(
+    loss: str,
+    h_hat: torch.Tensor,
+    h_star: torch.Tensor,
+    entropy: torch.Tensor | None,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """A hidden-state loss (``l1``, ``ewl1``) of one batch."""
     if loss == "l1":
         return losses.l1(h_hat, h_star, mask)
     if loss == "ewl1":
-        return losses.ewl1(h_hat, h_star, target.entropy[rows, :width], mask)
-    pred_logits = merged.head.logits(h_hat)
-    target_logits = target.head.logits(h_star)
-    return getattr(losses, loss)(pred_logits, target_logits, mask)
+        return losses.ewl1(h_hat, h_star, entropy, mask)
+    raise ValueError(f"stacked training takes the hidden-state losses l1 and ewl1, not {loss!r}")
 
 
 def adam(parameters: list[torch.nn.Parameter], settings: TrainSettings) -> torch.optim.Adam:
@@ -200,6 +215,114 @@ def train_surgery(
     loss_end = dataset_loss(module, merged, target, rows, counted, settings)
     before, after, rho = measure_bias(module, merged, target, counted)
     return TrainResult(module, curve, rho, before, after, seconds, loss_start, loss_end)
+
+
+def train_stacked(
+    modules: list[SurgeryModule],
+    merged: Captured,
+    target: Captured,
+    settings: TrainSettings,
+    rows: list[torch.Tensor],
+    *,
+    loss_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+    desc: str = "train",
+) -> list[TrainResult]:
+    """:func:`train_surgery` of several modules of one kind and shape at once, module ``k`` on
+    the sequences ``rows[k]`` (cross-fitting: one module per fold, each on the other folds).
+
+    Every step stacks their parameters and runs them together (``torch.func.vmap`` over the
+    module's own forward): one gather of the cached states, one batched forward and backward.
+    Module ``k`` sees the batches its own :func:`train_surgery` run would see (its rows, shuffled
+    by ``settings.seed``) and has its own Adam, which skips the steps whose batch counts no token
+    of it, so the results equal one-by-one training up to float rounding. Modules without
+    parameters, and the logit losses (which run the LM heads), go to :func:`train_surgery`.
+    """
+    trainable = any(p.requires_grad for p in modules[0].parameters()) if modules else False
+    if not trainable or settings.loss in losses.LOGIT_LOSSES:
+        return [
+            train_surgery(
+                m,
+                merged,
+                target,
+                settings,
+                loss_mask=loss_mask,
+                rows=r,
+                device=device,
+                progress=progress,
+                desc=desc,
+            )
+            for m, r in zip(modules, rows, strict=True)
+        ]
+    counted = merged.mask if loss_mask is None else loss_mask.to(torch.bool) & merged.mask
+    merged, target = _to(merged, device), _to(target, device)
+    counted = counted.to(device)
+    rows = [torch.as_tensor(r, dtype=torch.long).cpu() for r in rows]
+    own = [in_rows(counted, r) for r in rows]
+    modules = [m.to(device=device, dtype=torch.float32).train() for m in modules]
+    starts = [
+        dataset_loss(m, merged, target, r, c, settings)
+        for m, r, c in zip(modules, rows, own, strict=True)
+    ]
+    names = [name for name, _ in modules[0].named_parameters()]
+    shape = copy.deepcopy(modules[0]).to("meta")
+
+    def forward(params: dict, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(shape, params, (h, positions))
+
+    stacked = torch.vmap(forward)
+    optimizers = [adam(list(m.parameters()), settings) for m in modules]
+    streams = [
+        epoch_batches(r, settings.batch_size, torch.Generator().manual_seed(settings.seed))
+        for r in rows
+    ]
+    curves: list[list[float]] = [[] for _ in modules]
+    start = time.perf_counter()
+    for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
+        batches = [next(stream) for stream in streams]
+        index = torch.stack([_padded(b, settings.batch_size) for b in batches]).to(device)
+        real = torch.stack([_padded_mask(b, settings.batch_size) for b in batches]).to(device)
+        width = int(merged.mask[index].sum(-1).max())
+        h = merged.hidden[index, :width].to(torch.float32)  # [K, B, T, H]
+        h_star = target.hidden[index, :width].to(torch.float32)
+        mask = counted[index, :width] & real.unsqueeze(-1)
+        flat = merged.mask[index, :width].flatten(0, 1)
+        positions = positions_of(flat).view(len(modules), -1, width)
+        params = {n: torch.stack([m.get_parameter(n) for m in modules]) for n in names}
+        h_hat = stacked(params, h, positions)
+        stepping = [k for k in range(len(modules)) if mask[k].any()]
+        total = h_hat.new_zeros(())
+        for k in stepping:
+            entropy = None if target.entropy is None else target.entropy[index[k], :width]
+            loss = _loss_of(settings.loss, h_hat[k], h_star[k], entropy, mask[k])
+            curves[k].append(loss.item())
+            total = total + loss
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if stepping:
+            total.backward()
+        for k in stepping:
+            optimizers[k].step()
+    seconds = (time.perf_counter() - start) / len(modules)
+    results = []
+    for module, r, c, loss_start, curve in zip(modules, rows, own, starts, curves, strict=True):
+        module.eval()
+        loss_end = dataset_loss(module, merged, target, r, c, settings)
+        before, after, rho = measure_bias(module, merged, target, c)
+        results.append(
+            TrainResult(module, curve, rho, before, after, seconds, loss_start, loss_end)
+        )
+    return results
+
+
+def _padded(batch: torch.Tensor, size: int) -> torch.Tensor:
+    """``batch`` filled up to ``size`` rows with its first row (masked out by :func:`_padded_mask`)."""
+    return torch.cat([batch, batch[:1].expand(size - batch.numel())])
+
+
+def _padded_mask(batch: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.arange(size) < batch.numel()
 
 
 @torch.no_grad()
