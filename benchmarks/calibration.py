@@ -48,7 +48,8 @@ SELECTIONS = {
     "holdout": {},
     "folds": {"folds": 5, "metric": "completion_prefix", "completion_tokens": 128},
 }
-CROSS_FIT_TARGET = 2.0  # the aim for cross-fitting's training phase, as a multiple of one training
+CROSS_FIT_TARGET = 2.0
+STACKED_FOLDS = 5  # the aim for cross-fitting's training phase, as a multiple of one training
 
 
 # ---- the real pipeline, one task -----------------------------------------------------------------
@@ -288,7 +289,60 @@ def phase_time_baselines(
         ]
         loop = paired_ratio(times, "train_loop", "bare_adam")
         result[f"train_{kind}"] = {**loop, "call_ratio": call["ratio"]}
+    result["stacked_folds"] = _stacked_against_one_by_one(held, hidden, train_settings, settings)
     return result
+
+
+def _stacked_against_one_by_one(
+    held: dict[str, Any], hidden: int, train_settings: Any, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Cross-fitting's fits of one candidate (DARTS, 5 folds): together (train_stacked) against
+    one after another (train_surgery per fold), interleaved, on this run's device."""
+    import torch
+
+    from mergekit_darts import build_module
+    from mergekit_darts.calibrate.selection import fold_split
+    from mergekit_darts.calibrate.train import train_stacked, train_surgery
+
+    n = held["merged"].hidden.shape[0]
+    every = torch.arange(n)
+    rows = [every[~torch.isin(every, fold)] for fold in fold_split(n, min(STACKED_FOLDS, n), 0)]
+    device = settings["device"]
+
+    def modules() -> list[Any]:
+        make = build_module
+        return [
+            make("pos_corr", hidden, settings["rank"], settings["max_positions"], seed=0)
+            for _ in rows
+        ]
+
+    def together() -> None:
+        train_stacked(
+            modules(),
+            held["merged"],
+            held["target"],
+            train_settings,
+            rows,
+            device=device,
+            progress=False,
+        )
+
+    def one_by_one() -> None:
+        for module, r in zip(modules(), rows, strict=True):
+            train_surgery(
+                module,
+                held["merged"],
+                held["target"],
+                train_settings,
+                rows=r,
+                device=device,
+                progress=False,
+            )
+
+    times = alternate(
+        {"stacked": together, "one_by_one": one_by_one}, settings["repeats"], cuda_sync(device)
+    )
+    return paired_ratio(times, "stacked", "one_by_one")
 
 
 # ---- the whole section ---------------------------------------------------------------------------
@@ -450,6 +504,9 @@ def summarise(
         ratios[f"training loop / bare Adam loop ({kind})"] = ratio(
             baselines[f"train_{kind}"]["ratio"], 1.2
         )
+    ratios[f"{STACKED_FOLDS} fold modules trained together / one by one (pos_corr)"] = ratio(
+        baselines["stacked_folds"]["ratio"], None
+    )
     for kind, task in tasks.items():
         mem = memory_ratios(task, naive, logits_batch)
         task["memory_ratios"] = mem

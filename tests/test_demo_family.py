@@ -20,6 +20,8 @@ from demo.domains import DOMAIN_NAMES
 from demo.family_io import family_paths
 from demo.pinning import pinned_env
 
+pytestmark = pytest.mark.slow  # every test here builds (trains) the tiny demo family
+
 
 @pytest.fixture(scope="module")
 def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> FamilyPaths:
@@ -128,7 +130,6 @@ RECORDED_UNDER = ("2.13.0+cpu", "5.25.0")  # torch, transformers
 BUILD = "import sys; from demo import build_family; build_family(sys.argv[1], 0, 'tiny', False)"
 
 
-@pytest.mark.slow
 def test_experts_trained_in_parallel_are_the_sequential_build_bit_for_bit(tmp_path: Path) -> None:
     import torch
     import transformers

@@ -28,6 +28,7 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 
+@pytest.mark.slow  # starts a process per layer (about 10 s each)
 @pytest.mark.parametrize(
     ("package", "forbidden"),
     [
