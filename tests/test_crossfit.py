@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from tiny import surgery_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -17,6 +18,8 @@ from mergekit_darts import run_surgery
 from mergekit_darts.calibrate.selection import fold_split
 from mergekit_darts.config import parse_surgery, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.integrations.card import print_summary
+from mergekit_darts.manifest import Manifest
 
 TOKENS = 6  # completion tokens: enough for the reproduced prefix to take several values
 FOLDS = 3
@@ -175,3 +178,16 @@ def test_the_kept_settings_are_refit_on_every_prompt(
     assert line.startswith("kept pos_corr + l1: held-out reproduced completion tokens ")
     assert "with 12 prompts the test detects a mean gain of >= " in line
     assert f"math: {line}" in (merged / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_card_and_summary_show_the_cross_fitted_selection(crossfit_run, capsys):
+    merged, _, manifest = crossfit_run
+    card = (merged / "README.md").read_text()
+    assert "### Held-out measurement and selection" in card
+    assert "A task with `select` trained each candidate on the other prompts" in card
+    assert "with `folds`: every prompt, by the modules that did not train on it" in card
+    assert "✓ by completion_prefix" in card
+    print_summary(Manifest.model_validate(manifest), Console(width=400))
+    out = capsys.readouterr().out
+    assert f"math: {manifest['tasks']['math']['selection']['verdict']}" in out

@@ -162,7 +162,7 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
                 "A task with `select` trained each candidate on the other prompts and kept the "
                 "best by the named metric" + (", then refit it on every prompt." if refit else ".")
             ]
-            if any("selection" in e for e in tasks.values())
+            if any(e.selection for e in tasks.values())
             else []
         ),
         *(
