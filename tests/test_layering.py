@@ -91,27 +91,15 @@ def _layer(module: str) -> int | None:
 
 def test_every_import_runs_one_way():
     """Lazy imports inside functions count too: they are dependencies all the same."""
-    root = Path(__file__).resolve().parents[1]
     upward = []
-    for path in sorted((root / "mergekit_darts").rglob("*.py")):
-        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+    for module, path in _modules("mergekit_darts").items():
         own = _layer(module)
         assert own is not None or module == "mergekit_darts", f"{module} is in no layer"
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                "mergekit_darts"
-            ):
-                names = [f"{node.module}.{alias.name}" for alias in node.names]
-                targets = [node.module] if _layer(node.module) else names
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names if a.name.startswith("mergekit_darts")]
-            else:
-                continue
-            upward += [
-                f"{module} imports {t}"
-                for t in targets
-                if own is not None and (_layer(t) or 0) > own
-            ]
+        upward += [
+            f"{module} imports {name}"
+            for name in _imported_names(module, path)
+            if name.startswith("mergekit_darts") and own is not None and (_layer(name) or 0) > own
+        ]
     assert not upward, upward
 
 
@@ -123,35 +111,25 @@ DEPLOY_USERS = ("mergekit_darts.deploy", "mergekit_darts.vllm_plugin", "mergekit
 
 def test_only_the_plugin_and_the_cli_import_deploy():
     """Lazy imports inside functions count too."""
-    root = Path(__file__).resolve().parents[1]
-    found = []
-    for package in ("mergekit_darts", "lm_eval_darts"):
-        for path in sorted((root / package).rglob("*.py")):
-            module = ".".join(path.relative_to(root).with_suffix("").parts)
-            if module.startswith(DEPLOY_USERS):
-                continue
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.ImportFrom) and node.module:
-                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-                elif isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                else:
-                    continue
-                found += [f"{module} imports {n}" for n in names if n.startswith(DEPLOY_USERS[0])]
+    found = [
+        f"{module} imports {name}"
+        for package in ("mergekit_darts", "lm_eval_darts")
+        for module, path in _modules(package).items()
+        if not module.startswith(DEPLOY_USERS)
+        for name in _imported_names(module, path)
+        if name.startswith(DEPLOY_USERS[0])
+    ]
     assert not found, found
 
 
 def _reaches(package: str, targets: tuple[str, ...]) -> list[str]:
     """Every import in `package` (lazy ones included) of a top-level package in `targets`."""
-    root = Path(__file__).resolve().parents[1]
-    found = []
-    for path in sorted((root / package).rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and not node.level:
-                names = [node.module or ""]
-            found += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] in targets]
-    return found
+    return [
+        f"{module}: {name}"
+        for module, path in _modules(package).items()
+        for name in _imported_names(module, path)
+        if name.split(".")[0] in targets
+    ]
 
 
 def test_lm_eval_darts_builds_on_the_core_never_the_reverse():
@@ -167,31 +145,42 @@ def test_the_product_never_imports_the_demo_or_the_benchmarks(package: str) -> N
     assert not found, found
 
 
-def _imports(package: Path, root: Path) -> dict[str, set[str]]:
-    """Module -> the modules of the same tree it imports: at the top, inside functions and under
-    ``TYPE_CHECKING`` alike (a cycle through any of them is still a cycle), relative ones resolved."""
-    modules = {
+def _modules(package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of a top-level package of this repository."""
+    root = Path(__file__).resolve().parents[1]
+    return {
         ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
-        for p in sorted(package.rglob("*.py"))
+        for p in sorted((root / package).rglob("*.py"))
     }
+
+
+def _imported_names(module: str, path: Path) -> list[str]:
+    """What ``module`` imports, as absolute dotted names (``from a import b`` gives ``a`` and
+    ``a.b``): at the top, inside functions and under ``TYPE_CHECKING`` alike."""
+    here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            target = ".".join([*base, node.module] if node.module else base)
+            names += [target, *(f"{target}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (a cycle through a lazy or
+    ``TYPE_CHECKING`` import is still a cycle)."""
+    modules = _modules(package)
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
-        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom):
-                base = here[: len(here) - node.level + 1] if node.level else []
-                target = ".".join([*base, node.module] if node.module else base)
-                names = [target, *(f"{target}.{a.name}" for a in node.names)]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for name in names:
-                while name and name not in modules:
-                    name = name.rpartition(".")[0]
-                if name and name != module:
-                    found.add(name)
+        for name in _imported_names(module, path):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
         graph[module] = found
     return graph
 
@@ -243,5 +232,4 @@ def test_cycle_finder_finds_a_cycle() -> None:
 def test_no_import_cycles(package: str) -> None:
     """No two modules import each other, directly or through others: each module can be read,
     tested and imported knowing only what it imports."""
-    root = Path(__file__).resolve().parents[1]
-    assert _cycles(_imports(root / package, root)) == []
+    assert _cycles(_imports(package)) == []
