@@ -140,6 +140,8 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
     loss trains that one module on every prompt (the paper's recipe).
     """
     for level, where in ((task, key), (config, "surgery")):
+        if level.select and level.holdout is not None and level.select.metric == LM_EVAL:
+            raise SurgeryConfigError(_no_holdout(f"{where}.holdout", f"{where}.select"))
         if level.select and level.holdout is not None:
             raise SurgeryConfigError(
                 f"{where}.holdout: {where}.select.holdout sets the held-out fraction here; "
@@ -232,15 +234,19 @@ def _check_dev(select: SelectConfig, select_key: str, task: TaskConfig, key: str
                 f"candidates and each trains on every calibration prompt; remove {setting}"
             )
     if task.holdout is not None:
-        raise SurgeryConfigError(
-            f"{key}.holdout: with metric lm_eval ({select_key}) the dev split judges the "
-            "candidates and each trains on every calibration prompt; remove the holdout"
-        )
+        raise SurgeryConfigError(_no_holdout(f"{key}.holdout", select_key))
     if task.eval_tasks is None:
         raise SurgeryConfigError(
             f"{key}.eval_tasks: metric lm_eval ({select_key}) scores the candidates on the "
             "lm-eval tasks this module serves; list them, e.g. eval_tasks: [gsm8k]"
         )
+
+
+def _no_holdout(holdout_key: str, select_key: str) -> str:
+    return (
+        f"{holdout_key}: with metric lm_eval ({select_key}) the dev split judges the candidates "
+        "and each trains on every calibration prompt; remove the holdout"
+    )
 
 
 def check_folds(task: ResolvedTask, num_prompts: int) -> None:
