@@ -33,7 +33,7 @@ class DevScorer(Protocol):
     """Scores a model on one surgery task's dev documents (``integrations.lm_eval_dev``)."""
 
     metric: str  # what one item's value is, as the verdict line names it
-    description: str  # which documents, as the verdict line names them
+    description: str  # which documents, as the verdict line names them ("the 200 train ...")
 
     def score(self, model: nn.Module, batch_size: int) -> DevOutcomes: ...
 

@@ -316,7 +316,7 @@ def _select_on_dev(
         name=scorer.metric,
         judged="dev",
         unit="items",
-        where=f"the dev items ({scorer.description})",
+        where=scorer.description,
         test="McNemar" if binary else "signed-rank",
     )
     decision = decide(entries, labels, LM_EVAL, select.alpha, wording)

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mergekit_darts.calibrate.selection import candidate_label
+from mergekit_darts.config.schema import LM_EVAL
 from mergekit_darts.fs import write_text
 from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR, Manifest, RouterEntry, TaskEntry
 from mergekit_darts.messages import first_line
@@ -172,6 +173,16 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
                 "over those prompts said it beats no correction there."
             ]
             if any("verdict" in (e.selection or {}) for e in tasks.values())
+            else []
+        ),
+        *(
+            [
+                "With `metric: lm_eval` every candidate trained on every prompt and lm-eval "
+                "itself scored it on a development split of the task's eval_tasks; a correction "
+                "was kept only where a one-sided exact McNemar test over those documents said it "
+                "beats no correction."
+            ]
+            if any((e.selection or {}).get("metric") == LM_EVAL for e in tasks.values())
             else []
         ),
         "",

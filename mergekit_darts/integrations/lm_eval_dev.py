@@ -71,7 +71,7 @@ class LmEvalDev:
         self.metric = "/".join(dict.fromkeys(part.metric for part in parts))
         items = sum(len(part.indices) for part in parts)
         names = ", ".join(part.name for part in parts)
-        self.description = f"{names} {split} split, {items} documents"
+        self.description = f"the {items} {split} documents of {names}"
         self._lms: dict[tuple[int, int], Any] = {}
 
     @classmethod
