@@ -17,7 +17,7 @@ import tiny
 import yaml
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
-from tiny import PROMPTS, change_task, merge_config, refuse, surgery_block
+from tiny import PROMPTS, change_task, merge, merge_config, refuse, surgery_block
 
 from lm_eval_darts.model import DartsHFLM
 from mergekit_darts import run_surgery
@@ -26,6 +26,7 @@ from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer
 from mergekit_darts.calibrate.store import StoreStats
 from mergekit_darts.calibrate.verdict import DEV_TEST, signed_rank_test
 from mergekit_darts.config import parse_surgery, resolve_tasks
+from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.integrations.lm_eval_dev import LmEvalDev
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
@@ -51,7 +52,7 @@ def dev_run(tiny_family, calibration_data, tiny_merged, tmp_path_factory) -> tup
         max_positions=16,
     )
     with contextlib.chdir(TASKS_DIR):  # the task YAMLs name their data relative to it
-        manifest = run_surgery(merged, block, progress=False)
+        manifest = run_surgery(merged, block)  # the printed summary and the card too
     return merged, manifest
 
 
@@ -231,3 +232,38 @@ def test_bad_dev_split_is_refused_before_merging(
     with contextlib.chdir(TASKS_DIR):
         message = refuse(config, tmp_path / "out")
     assert message.startswith(expected), message
+
+
+def lm_eval_merge_config(tiny_family, calibration_data, dev: dict[str, Any]) -> dict[str, Any]:
+    """The tiny merge YAML with one task, math, selected by lm-eval on ``dev``."""
+    config = merge_config(tiny_family, calibration_data)
+    config["surgery"]["tasks"] = config["surgery"]["tasks"][:1]
+    config["surgery"]["tasks"][0].update(eval_tasks=[DEV], select=lm_eval_select(**dev))
+    return config
+
+
+@pytest.mark.slow
+def test_the_hooked_merge_checks_before_merging_and_scores_after(
+    tiny_family, calibration_data, tmp_path
+):
+    """mergekit-yaml's path: the dev documents are checked against the base model's tokenizer
+    before the merge and scored on the merged model after it."""
+    config = lm_eval_merge_config(tiny_family, calibration_data, {"split": "train", "limit": LIMIT})
+    with contextlib.chdir(TASKS_DIR):
+        manifest = merge(config, tmp_path / "out")
+    selection = manifest["tasks"]["math"]["selection"]
+    assert selection["dev"]["items"] == [f"{DEV}/{i}" for i in range(LIMIT)]
+    none = selection["candidates"][0]
+    assert none["module"] == "none"
+    assert none["verdict"]["lm_eval"] == independent_outcomes(tmp_path / "out", {DEV: LIMIT})
+
+
+def test_run_surgery_refuses_before_touching_the_merged_folder(
+    tiny_family, calibration_data, merged_copy
+):
+    before = {p: p.read_bytes() for p in merged_copy.rglob("*") if p.is_file()}
+    block = lm_eval_merge_config(tiny_family, calibration_data, {"split": "test"})["surgery"]
+    with contextlib.chdir(TASKS_DIR), pytest.raises(SurgeryConfigError) as refused:
+        run_surgery(merged_copy, block, progress=False)
+    assert "\n" not in str(refused.value) and "is the split lm-eval evaluates" in str(refused.value)
+    assert {p: p.read_bytes() for p in merged_copy.rglob("*") if p.is_file()} == before

@@ -427,12 +427,16 @@ def _held_out_table(held_out: Mapping[str, Mapping[str, Any]]) -> Table:
 
 
 def _selection_table(selecting: Mapping[str, Mapping[str, Any]]) -> Table:
+    dev = any(selection["metric"] == LM_EVAL for selection in selecting.values())
     table = Table(
-        title="select: every candidate on the held-out prompts (✓ kept)",
+        title="select: every candidate on the held-out prompts"
+        + (" or the dev split (lm_eval)" if dev else "")
+        + " (✓ kept)",
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
-    for column in ("task", "candidate", "agreement", "KL", "ρ_L1", "kept"):
+    columns = ("task", "candidate", "agreement", "KL", "ρ_L1", *(("lm_eval",) if dev else ()))
+    for column in (*columns, "kept"):
         table.add_column(column, justify="left" if column in ("task", "candidate") else "right")
     for task, selection in selecting.items():
         candidates = selection["candidates"]
@@ -445,6 +449,7 @@ def _selection_table(selecting: Mapping[str, Mapping[str, Any]]) -> Table:
                 _number(held["agreement"]),
                 _number(held["kl"], ".3g"),
                 _number(held["rho_l1"]),
+                *((_number(held.get(LM_EVAL)),) if dev else ()),
                 "diverged" if "diverged" in candidate else f"✓ by {selection['metric']}" * chosen,
             )
     return table
