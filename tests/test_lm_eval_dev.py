@@ -42,12 +42,12 @@ def lm_eval_select(**dev: Any) -> dict[str, Any]:
 def dev_run(tiny_family, calibration_data, tiny_merged, tmp_path_factory) -> tuple[Path, dict]:
     merged = Path(shutil.copytree(tiny_merged, tmp_path_factory.mktemp("dev") / "merged"))
     block = surgery_block(
-        tiny_family.math,
+        tiny_family.code,  # farther from this merge than math: its corrections change outcomes
         calibration_data / "math.jsonl",
         calibration={"num_samples": 8, "max_length": 16},
         task={"eval_tasks": [DEV, DEV_GEN], "select": lm_eval_select(split="train", limit=LIMIT)},
-        steps=20,
-        lr=1e-2,
+        steps=100,
+        lr=3e-2,
         batch_size=4,
         max_positions=16,
     )
@@ -105,6 +105,7 @@ def test_every_candidate_is_scored_per_item_and_none_is_stock_lm_eval(dev_run):
         outcomes = candidate["verdict"]["lm_eval"]
         assert len(outcomes) == len(items) and set(outcomes) <= {0.0, 1.0}
         assert candidate["held_out"]["lm_eval"] == pytest.approx(sum(outcomes) / len(items))
+    assert any(c["verdict"]["lm_eval"] != none for c in candidates[1:])  # discordant items
     for candidate in candidates[1:]:  # McNemar: the exact sign test on the discordant items
         test = candidate["test"]
         outcomes = candidate["verdict"]["lm_eval"]
