@@ -8,12 +8,14 @@ must come before any merge work, leaving the output folder as it was.
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tiny
+import torch
 import yaml
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
@@ -155,11 +157,15 @@ def test_a_candidate_is_scored_with_its_module_applied_as_hf_darts_applies_it(
     judge = DevJudge(
         str(merged), Runtime.of(config, tokenizer, False), {"math": scorer}, StoreStats()
     )
+    generators = random.getstate(), torch.random.get_rng_state()
     try:
         none = judge.outcomes("math", None, 4, {})
         corrected = judge.outcomes("math", module, 4, {})
     finally:
         judge.close()
+    # lm-eval seeds the global generators; the caller's state comes back
+    assert random.getstate() == generators[0]
+    assert torch.equal(torch.random.get_rng_state(), generators[1])
     documents = {DEV: LIMIT, DEV_GEN: len(corrected.values) - LIMIT}
     tiny.write_surgery(merged / "surgery", {"math": module})
     darts = DartsHFLM(pretrained=str(merged), surgery="math", device="cpu", batch_size=4)

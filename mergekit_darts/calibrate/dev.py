@@ -9,10 +9,14 @@ hooks (the plain model for ``none``), so no candidate reloads a model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+import torch
 from torch import nn
 
 from mergekit_darts.apply import SurgeryHandle
@@ -65,7 +69,10 @@ class DevJudge:
             self._handle = SurgeryHandle(model, None)
         self._handle.module = None if module is None else module.eval()
         try:
-            with stage(task, "scoring a select candidate with lm-eval on the dev split"):
+            with (
+                stage(task, "scoring a select candidate with lm-eval on the dev split"),
+                _callers_random_state(),
+            ):
                 return self.scorers[task].score(model, batch_size)
         finally:
             self._handle.module = None
@@ -76,3 +83,14 @@ class DevJudge:
             self._handle.remove()
             self._handle = None
         self._model.close()
+
+
+@contextmanager
+def _callers_random_state() -> Iterator[None]:
+    """lm-eval seeds Python's, NumPy's and torch's global generators: give the caller's back."""
+    python, numpy = random.getstate(), np.random.get_state()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy)
