@@ -8,8 +8,10 @@ must come before any merge work, leaving the output folder as it was.
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -161,8 +163,11 @@ def test_a_candidate_is_scored_with_its_module_applied_as_hf_darts_applies_it(
     try:
         none = judge.outcomes("math", None, 4, {})
         corrected = judge.outcomes("math", module, 4, {})
+        loaded = weakref.ref(judge._model.get("math", {}, "unused"))  # the one it scored
     finally:
         judge.close()
+    gc.collect()
+    assert loaded() is None  # closed: nothing (lm-eval's HFLM included) holds the model
     # lm-eval seeds the global generators; the caller's state comes back
     assert random.getstate() == generators[0]
     assert torch.equal(torch.random.get_rng_state(), generators[1])

@@ -45,6 +45,10 @@ class DevScorer(Protocol):
         """The manifest's ``selection.dev``: which split, documents and metric judged."""
         ...
 
+    def close(self) -> None:
+        """Let go of every model it scored (so the judge's release frees its memory)."""
+        ...
+
 
 class DevJudge:
     """The merged model, loaded on first use and kept for every task's candidates."""
@@ -78,10 +82,12 @@ class DevJudge:
             self._handle.module = None
 
     def close(self) -> None:
-        """Take the hooks off and drop the model."""
+        """Take the hooks off and drop the model (the scorers' references to it too)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        for scorer in self.scorers.values():
+            scorer.close()
         self._model.close()
 
 

@@ -244,9 +244,8 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
     return candidates[chosen], results[chosen].module
 
 
-NO_TOKEN_METRICS = dict.fromkeys(
-    ("agreement", "kl", "rho_l1")
-)  # a candidate not measured on tokens
+# the token metrics of a candidate not measured on tokens (diverged, or judged by lm-eval)
+NO_TOKEN_METRICS = dict.fromkeys(("agreement", "kl", "rho_l1"))
 
 
 def _diverged(task: ResolvedTask, candidate: ResolvedTask, reason: str) -> dict[str, Any]:

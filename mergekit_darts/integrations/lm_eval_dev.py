@@ -131,6 +131,9 @@ class LmEvalDev:
                 values.append(float(value))
         return DevOutcomes(items, values)
 
+    def close(self) -> None:
+        self._lms.clear()
+
     def _lm(self, model: nn.Module, batch_size: int) -> Any:
         """lm-eval's HF backend around the model object (its tokenizer from the model's folder,
         as ``lm_eval --model hf`` loads it), one per model and batch size."""
