@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,7 @@ class LmEvalDev:
         special = set(tokenizer.all_special_ids)
         grams = CalibrationGrams(_encode(tokenizer, prompts, special))
         parts = [
-            _check_part(task, name, grams, lambda text: _encode(tokenizer, [text], special)[0])
+            _check_part(task, name, grams, lambda texts: _encode(tokenizer, texts, special))
             for name in task.eval_tasks
         ]
         return cls(task.dev.split, parts, task.dev.include_path)
@@ -145,7 +146,13 @@ class LmEvalDev:
         return self._lms[key]
 
 
-def _check_part(task: ResolvedTask, name: str, grams: CalibrationGrams, encode: Any) -> _Part:
+def _check_part(
+    task: ResolvedTask,
+    name: str,
+    grams: CalibrationGrams,
+    encode: Callable[[list[str]], list[list[int]]],
+) -> _Part:
+    """lm-eval's task ``name`` set to evaluate ``task``'s dev split, its documents checked."""
     dev = task.dev
     key, eval_key = f"{task.select_key}.dev", f"{task.key}.eval_tasks"
     loaded = _load_task(name, dev.include_path, key, eval_key)
@@ -186,9 +193,8 @@ def _check_part(task: ResolvedTask, name: str, grams: CalibrationGrams, encode: 
     if not indices:
         raise SurgeryConfigError(f"{key}.split: {name!r}'s {dev.split} split has no documents")
     where = f"document {{}} of {name!r}'s {dev.split} split"
-    for index in indices:
-        doc = docs[index]
-        text = _text(loaded, doc)
+    texts = {index: _text(loaded, docs[index]) for index in indices}
+    for index, text in texts.items():
         same = evaluation.get(_normal(text))
         if same is not None:
             raise SurgeryConfigError(
@@ -196,8 +202,12 @@ def _check_part(task: ResolvedTask, name: str, grams: CalibrationGrams, encode: 
                 f"{same} of its {evaluated} split; dev items must not be evaluated items: leave "
                 "it out (dev.indices) or name a split disjoint from the evaluation"
             )
-        whole = f"{text}{config.target_delimiter}{_target(loaded, doc)}"
-        prompt = grams.found(encode(whole))
+    wholes = [  # input and answer: a calibration prompt may hold either
+        f"{text}{config.target_delimiter}{_target(loaded, docs[index])}"
+        for index, text in texts.items()
+    ]
+    for (index, text), ids in zip(texts.items(), encode(wholes), strict=True):
+        prompt = grams.found(ids)
         if prompt is not None:
             raise SurgeryConfigError(
                 f"{key}: {where.format(index)} ({_snippet(text)}) contains calibration prompt "
