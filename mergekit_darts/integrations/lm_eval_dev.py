@@ -215,7 +215,8 @@ def _check_part(
                 "would be judged on what they trained on: leave it out (dev.indices) or "
                 "calibrate on other prompts"
             )
-    return _Part(name, loaded, indices, metric, loaded._filters[0].name, evaluated)
+    first_filter = loaded._filters[0].name  # the filter ensembles lm-eval built (no public name)
+    return _Part(name, loaded, indices, metric, first_filter, evaluated)
 
 
 def _load_task(name: str, include_path: str | None, key: str, eval_key: str) -> Any:
