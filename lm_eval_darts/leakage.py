@@ -22,79 +22,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lm_eval.api.instance import Instance
 
 from mergekit_darts.artifacts import read_manifest
+from mergekit_darts.core.overlap import NGRAM, CalibrationGrams
 from mergekit_darts.diagnostics import diagnostics_path, read_token_ids
 from mergekit_darts.task_map import ROUTED
 
-NGRAM = 13  # lm-eval's decontamination n-gram length
 log = logging.getLogger(__name__)
-
-
-class CalibrationGrams:
-    """The n-grams of one module's calibration sequences (whole sequences when shorter than n).
-
-    ``cut[i]`` marks sequence ``i`` as possibly cut short: it then counts only through full
-    n-grams, never as a whole. Templated prompts share a frame (a chat template plus a fixed
-    instruction, longer than 13 tokens) that every request of the task carries, so a window
-    that is mostly frame says nothing about which prompt it came from (SmolLM2's real family:
-    half of the disjoint evaluation prompts shared a window of frame + one word with some
-    calibration prompt). So the prefix and suffix every sequence shares are cut off, and a
-    sequence matches through n-grams of what is left, or, when that is shorter than n, only
-    as a whole. An n-gram found in more than half of the sequences (two at least) is a frame
-    inside the prompts and is dropped too.
-    """
-
-    def __init__(
-        self, sequences: Iterable[Sequence[int]], n: int = NGRAM, cut: Iterable[bool] = ()
-    ) -> None:
-        self._grams: dict[int, set[tuple[int, ...]]] = defaultdict(set)
-        sequences, cut = [list(seq) for seq in sequences], list(cut)
-        start, end = _shared_ends(sequences)
-        found_in: Counter[tuple[int, ...]] = Counter()  # sequences holding each gram
-        for index, seq in enumerate(sequences):
-            own = seq[start : len(seq) - end]
-            if len(own) >= n:
-                found_in.update({tuple(own[i : i + n]) for i in range(len(own) - n + 1)})
-            elif seq and not (index < len(cut) and cut[index]):
-                found_in[tuple(seq)] += 1
-        shared = max(2, len(sequences) // 2 + 1)
-        for gram, count in found_in.items():
-            if count < shared:
-                self._grams[len(gram)].add(gram)
-
-    def update(self, other: CalibrationGrams) -> None:
-        """Add another module's n-grams (each module's frame is judged on its own prompts)."""
-        for size, grams in other._grams.items():
-            self._grams[size] |= grams
-
-    def found_in(self, ids: Sequence[int]) -> bool:
-        """Whether ``ids`` contains one of the n-grams."""
-        return any(
-            tuple(ids[i : i + size]) in grams
-            for size, grams in self._grams.items()
-            for i in range(len(ids) - size + 1)
-        )
-
-
-def _shared_ends(sequences: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """Lengths of the prefix and the suffix that every sequence has (none for fewer than two)."""
-    if len(sequences) < 2:
-        return 0, 0
-    first, shortest = sequences[0], min(len(seq) for seq in sequences)
-    start = 0
-    while start < shortest and all(seq[start] == first[start] for seq in sequences):
-        start += 1
-    end = 0
-    while end < shortest - start and all(seq[-1 - end] == first[-1 - end] for seq in sequences):
-        end += 1
-    return start, end
 
 
 def calibration_sequences(path: Path, drop: set[int]) -> list[list[int]]:

@@ -18,6 +18,10 @@ def select(**changes) -> dict:
     return {"candidates": THREE, **changes}
 
 
+TRAIN = {"split": "train", "indices": [0, 1]}
+LM_EVAL = {"metric": "lm_eval", "dev": TRAIN}
+
+
 BAD_SELECT = [
     (
         "empty candidates",
@@ -45,7 +49,7 @@ BAD_SELECT = [
         "unknown metric",
         change_block(select=select(metric="accuracy")),
         "surgery.select.metric: 'accuracy' is not allowed; choose one of agreement, kl, rho_l1, "
-        "completion_match, completion_agreement, completion_rho_l1 or completion_prefix",
+        "completion_match, completion_agreement, completion_rho_l1, completion_prefix or lm_eval",
     ),
     (
         "unknown select key",
@@ -66,6 +70,46 @@ BAD_SELECT = [
         "holdout given twice on a task",
         change_task(0, holdout=0.1, select=select()),
         "surgery.tasks[0].holdout: surgery.tasks[0].select.holdout sets the held-out fraction",
+    ),
+    (
+        "metric lm_eval without a dev split",
+        change_task(0, eval_tasks=["gsm8k"], select={"metric": "lm_eval"}),
+        "surgery.tasks[0].select.dev: metric lm_eval scores the candidates with lm-eval on a "
+        "development split",
+    ),
+    (
+        "a dev split without metric lm_eval",
+        change_block(select=select(dev={"split": "train"})),
+        "surgery.select.dev: a development split is read by metric lm_eval only (now "
+        "completion_match); set metric: lm_eval or remove dev",
+    ),
+    (
+        "dev indices and limit",
+        change_task(0, eval_tasks=["gsm8k"], select=LM_EVAL | {"dev": TRAIN | {"limit": 2}}),
+        "surgery.tasks[0].select.dev: indices and limit both choose the dev documents",
+    ),
+    (
+        "dev with no indices",
+        change_task(
+            0, eval_tasks=["gsm8k"], select=LM_EVAL | {"dev": {"split": "train", "indices": []}}
+        ),
+        "surgery.tasks[0].select.dev.indices: must not",
+    ),
+    (
+        "metric lm_eval with folds",
+        change_task(0, eval_tasks=["gsm8k"], select=LM_EVAL | {"folds": 5}),
+        "surgery.tasks[0].select.folds: with metric lm_eval the dev split judges",
+    ),
+    (
+        "metric lm_eval with a task holdout",
+        change_task(0, eval_tasks=["gsm8k"], holdout=0.2, select=LM_EVAL),
+        "surgery.tasks[0].holdout: with metric lm_eval (surgery.tasks[0].select) the dev split",
+    ),
+    (
+        "metric lm_eval on a task that names no lm-eval task",
+        change_block(select=LM_EVAL),
+        "surgery.tasks[0].eval_tasks: metric lm_eval (surgery.select) scores the candidates on "
+        "the lm-eval tasks this module serves; list them",
     ),
     (
         "candidate position table shorter than max_length",

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, run_surgery
 from mergekit_darts.calibrate.verdict import (
+    Wording,
     completion_reference,
     decide,
     detectable_gain,
@@ -228,6 +229,35 @@ def test_a_clear_winner_is_kept_and_bonferroni_counts_every_correction():
         "kept pos_corr + l1: held-out completion match 0.9, none 0 (better on 9, worse on 0 of "
         "10 prompts, signed-rank p = 0.00195 <= 0.025); with 10 prompts the test detects a mean "
         "gain of >= "
+    )
+
+
+def test_on_dev_items_the_test_is_mcnemars_and_the_line_says_so():
+    """select metric lm_eval: 0/1 outcomes per dev document; McNemar's exact one-sided test is
+    the binomial tail over the discordant documents (7 better, 1 worse: P(X >= 7 | 8, 1/2))."""
+    none = [0] * 8 + [1] * 12
+    better = [1] * 7 + [0] + [0] + [1] * 11  # 7 documents better, 1 worse
+    entries = [_entry("none", None, none, "lm_eval"), _entry("pos_corr", "l1", better, "lm_eval")]
+    wording = Wording("exact_match", "dev", "items", "the 20 train documents of gsm8k", "McNemar")
+    decision = decide(entries, ["none", "pos_corr + l1"], "lm_eval", 0.05, wording)
+    p = binomtest(7, 8, 0.5, alternative="greater").pvalue
+    assert entries[1]["test"]["p"] == pytest.approx(p, rel=1e-12)
+    assert decision.chosen == 1
+    assert decision.line.startswith(
+        f"kept pos_corr + l1: dev exact_match 0.9, none 0.6 (better on 7, worse on 1 of 20 items, "
+        f"McNemar p = {p:.3g} <= 0.05); with 20 items the test detects a mean gain of >= "
+    )
+    worse = decide(
+        [_entry("none", None, better, "lm_eval"), _entry("pos_corr", "l1", none, "lm_eval")],
+        ["none", "pos_corr + l1"],
+        "lm_eval",
+        0.05,
+        wording,
+    )
+    assert worse.line.startswith(
+        "kept no correction: every candidate scored below the merge on the 20 train documents "
+        "of gsm8k (best pos_corr + l1: exact_match 0.6, none 0.9; better on 1, worse on 7 of 20 "
+        "items, McNemar p = "
     )
 
 

@@ -18,6 +18,7 @@ import torch
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.collect import logits_need
 from mergekit_darts.calibrate.data import Prompts
+from mergekit_darts.calibrate.dev import DevJudge
 from mergekit_darts.calibrate.runtime import Runtime, stage, timer
 from mergekit_darts.calibrate.selection import (
     HeldOut,
@@ -37,14 +38,16 @@ from mergekit_darts.calibrate.train import (
     train_surgery,
 )
 from mergekit_darts.calibrate.verdict import (
+    DEV_TEST,
     VERDICT_TEST,
     HeldOutCompletions,
+    Wording,
     completion_scores,
     decide,
     mean,
 )
 from mergekit_darts.config import OVERRIDABLE, ResolvedTask
-from mergekit_darts.config.schema import default
+from mergekit_darts.config.schema import LM_EVAL, default
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.errors import HeadError, SurgeryRunError
 from mergekit_darts.messages import exponent_form
@@ -104,9 +107,10 @@ def require_completion_tokens(run: TaskRun) -> None:
         )
 
 
-def train_task(run: TaskRun, runtime: Runtime) -> None:
+def train_task(run: TaskRun, runtime: Runtime, dev: DevJudge | None = None) -> None:
     """Train the task's module; with ``holdout`` measure it on held-out prompts, with ``select``
-    train every candidate on the rest and keep the best (refit on every prompt unless refit off)."""
+    train every candidate on the rest and keep the best (refit on every prompt unless refit off);
+    with ``metric: lm_eval`` every candidate trains on every prompt and ``dev`` judges it."""
     task = run.task
     if task.needs_logits:
         _require_heads(run)
@@ -115,7 +119,10 @@ def train_task(run: TaskRun, runtime: Runtime) -> None:
             run.train_rows, run.held_rows = holdout_split(
                 len(run.sequences), task.holdout, task.seed
             )
-        if task.select is not None:
+        if task.dev is not None:
+            chosen, run.result = _select_on_dev(run, runtime, dev)
+            run.task, module = chosen, run.result.module
+        elif task.select is not None:
             chosen, module = _select(run, runtime)
             run.task = chosen
             if task.select.refit:
@@ -223,17 +230,7 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
         results.append(fits[0])
         reason = next((r for fit in fits if (r := fit.divergence()) is not None), None)
         if reason is not None:
-            LOG.warning(
-                "surgery task %r: select candidate %s + %s (lr %g) diverged (%s); left out of "
-                "the choice",
-                task.name,
-                candidate.module,
-                candidate.loss,
-                candidate.lr,
-                reason,
-            )
-            nothing = dict.fromkeys(("agreement", "kl", "rho_l1"))
-            entries.append({**settings_of(candidate), "held_out": nothing, "diverged": reason})
+            entries.append(_diverged(task, candidate, reason))
             continue
         held = _judged_metrics(run, fits, splits)
         final = [fit.final_loss for fit in fits]
@@ -244,13 +241,7 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
             entry["verdict"] = _verdict_scores(run, fits, splits)
             held.update({name: mean(values) for name, values in entry["verdict"].items()})
         entries.append(entry)
-    if all("diverged" in e for e in entries):
-        raise SurgeryRunError(
-            f"surgery task {task.name!r}: training diverged for every select candidate "
-            f"({entries[0]['diverged']}, ...); lower lr (now "
-            f"{', '.join(sorted({f'{c.lr:g}' for c in candidates}))}, default {DEFAULT_LR}); "
-            "the merged model and any existing surgery/ folder are unchanged"
-        )
+    _require_one_converged(task, candidates, entries)
     decision = None
     if run.held_completions is None:
         chosen = choose([e["held_out"][select.metric] for e in entries], select.metric)
@@ -270,6 +261,95 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
         )
     run.result = results[chosen]
     return candidates[chosen], results[chosen].module
+
+
+# the token metrics of a candidate not measured on tokens (diverged, or judged by lm-eval)
+NO_TOKEN_METRICS = dict.fromkeys(("agreement", "kl", "rho_l1"))
+
+
+def _diverged(task: ResolvedTask, candidate: ResolvedTask, reason: str) -> dict[str, Any]:
+    """The manifest entry of a candidate whose training diverged, after a warning saying so."""
+    LOG.warning(
+        "surgery task %r: select candidate %s + %s (lr %g) diverged (%s); left out of the choice",
+        task.name,
+        candidate.module,
+        candidate.loss,
+        candidate.lr,
+        reason,
+    )
+    return {**settings_of(candidate), "held_out": dict(NO_TOKEN_METRICS), "diverged": reason}
+
+
+def _require_one_converged(
+    task: ResolvedTask, candidates: list[ResolvedTask], entries: list[dict[str, Any]]
+) -> None:
+    """One line when every candidate's training diverged: nothing to choose from."""
+    if all("diverged" in e for e in entries):
+        raise SurgeryRunError(
+            f"surgery task {task.name!r}: training diverged for every select candidate "
+            f"({entries[0]['diverged']}, ...); lower lr (now "
+            f"{', '.join(sorted({f'{c.lr:g}' for c in candidates}))}, default {DEFAULT_LR}); "
+            "the merged model and any existing surgery/ folder are unchanged"
+        )
+
+
+def _select_on_dev(
+    run: TaskRun, runtime: Runtime, dev: DevJudge | None
+) -> tuple[ResolvedTask, TrainResult]:
+    """``metric: lm_eval``: every candidate trained on every prompt, applied to the merged model
+    in memory and scored by lm-eval on the dev documents; ``decide`` keeps one (``none`` unless a
+    correction passes the paired exact test over the items). No refit: each trained on all."""
+    task, select = run.task, run.task.select
+    if dev is None or task.name not in dev.scorers:
+        raise SurgeryRunError(
+            f"surgery task {task.name!r}: select metric lm_eval needs its dev split checked "
+            "before the run (mergekit_darts.run_surgery and mergekit-yaml do this); "
+            "the merged model and any existing surgery/ folder are unchanged"
+        )
+    scorer = dev.scorers[task.name]
+    candidates, results, entries = task.candidates(), [], []
+    items: list[str] | None = None
+    for candidate in candidates:
+        fit = _fit(run, candidate, runtime, None)
+        results.append(fit)
+        reason = fit.divergence()
+        if reason is not None:
+            entries.append(_diverged(task, candidate, reason))
+            continue
+        module = None if candidate.module == "none" else fit.module
+        scored = dev.outcomes(task.name, module, task.batch_size, run.timings)
+        items = scored.items
+        entries.append(
+            {
+                **settings_of(candidate),
+                "held_out": {**NO_TOKEN_METRICS, LM_EVAL: mean(scored.values)},
+                "final_loss": fit.final_loss,
+                "verdict": {LM_EVAL: scored.values},
+            }
+        )
+    _require_one_converged(task, candidates, entries)
+    labels = [candidate_label(e, entries) for e in entries]
+    binary = all(v in (0.0, 1.0) for e in entries for v in e.get("verdict", {}).get(LM_EVAL, []))
+    wording = Wording(
+        name=scorer.metric,
+        judged="dev",
+        unit="items",
+        where=scorer.description,
+        test="McNemar" if binary else "signed-rank",
+    )
+    decision = decide(entries, labels, LM_EVAL, select.alpha, wording)
+    run.selection = {
+        "metric": LM_EVAL,
+        "dev": {**scorer.record(), "items": items},
+        "refit": False,  # every candidate trained on every prompt: the saved module is the kept one
+        "candidates": entries,
+        "chosen": decision.chosen,
+        "alpha": select.alpha,
+        "test": DEV_TEST if binary else VERDICT_TEST,
+        "detectable": decision.detectable,
+        "verdict": decision.line,
+    }
+    return candidates[decision.chosen], results[decision.chosen]
 
 
 def _judged_record(run: TaskRun, splits: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:

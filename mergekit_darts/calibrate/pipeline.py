@@ -17,7 +17,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from mergekit_darts.calibrate.data import (
     read_prompts,
     tokenize_prompts,
 )
+from mergekit_darts.calibrate.dev import DevJudge, DevScorer
 from mergekit_darts.calibrate.fit import (
     TaskRun,
     judged_rows,
@@ -99,6 +100,8 @@ class PreparedSurgery:
     prompts: dict[str, Prompts]
     background: Prompts | None = None  # route.background's prompts (no correction)
     overwrite: bool = False  # may replace a surgery/ that is there when the run writes its own
+    # task name -> its checked dev documents (select metric lm_eval; integrations.lm_eval_dev)
+    dev: Mapping[str, DevScorer] = field(default_factory=dict)
 
 
 def prepare_surgery(
@@ -195,9 +198,16 @@ def calibrate(
     for run in captured.runs:
         require_completion_tokens(run)
     fitted = None
+    dev = None
+    if prepared.dev:  # loaded once, on first use, for every task's candidates
+        dev = DevJudge(str(merged), captured.runtime, prepared.dev, store.stats)
     with on_phase("train"):
-        for run in captured.runs:
-            train_task(run, captured.runtime)
+        try:
+            for run in captured.runs:
+                train_task(run, captured.runtime, dev)
+        finally:
+            if dev is not None:
+                dev.close()
         if prepared.config.route is not None:
             with stage(None, "fitting the router"):
                 fitted = _fit_router(prepared, captured)

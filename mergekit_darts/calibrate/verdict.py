@@ -51,6 +51,12 @@ NAMES = {
 }
 END_OF_COMPLETION = -1  # the reference at a position that predicts the end of the completion
 VERDICT_TEST = "one-sided exact Wilcoxon signed-rank test against none, Bonferroni over corrections"
+# select metric lm_eval: the same test over the dev items; on 0/1 outcomes (acc, exact_match) it
+# is the exact sign test on the discordant items, which is McNemar's exact test
+DEV_TEST = (
+    "one-sided exact McNemar test against none over the dev items (the signed-rank test on 0/1 "
+    "outcomes), Bonferroni over corrections"
+)
 DETECT_POWER = 0.8  # the power at which the verdict line states the smallest detectable mean gain
 
 
@@ -204,6 +210,17 @@ def mean(values: Sequence[float | None]) -> float | None:
 
 
 @dataclass(frozen=True)
+class Wording:
+    """How a verdict line names what was judged: the metric, the judged set and its unit."""
+
+    name: str  # the metric, as the line says it
+    judged: str = "held-out"
+    unit: str = "prompts"
+    where: str = "held-out completions"
+    test: str = "signed-rank"
+
+
+@dataclass(frozen=True)
 class Decision:
     """What the verdict kept, the line that says so, and what its test could see."""
 
@@ -213,15 +230,20 @@ class Decision:
 
 
 def decide(
-    entries: list[dict[str, Any]], labels: Sequence[str], metric: str, alpha: float
+    entries: list[dict[str, Any]],
+    labels: Sequence[str],
+    metric: str,
+    alpha: float,
+    wording: Wording | None = None,
 ) -> Decision:
     """What to keep, from the candidates' manifest entries (each with ``verdict`` per-prompt
     scores, or ``diverged``); records each correction's test in its entry.
 
     ``none`` is kept unless a correction's signed-rank test against it passes at ``alpha`` / the
     number of corrections measured; among those that pass, the best mean of ``metric`` wins
-    (the first on a tie).
+    (the first on a tie). ``wording`` names what was judged (default: held-out completions).
     """
+    words = wording or Wording(NAMES[metric])
     none = next(i for i, e in enumerate(entries) if e["module"] == "none")
     baseline = entries[none]["verdict"][metric]
     tried = [
@@ -229,7 +251,7 @@ def decide(
         for i, e in enumerate(entries)
         if i != none and "diverged" not in e and e["module"] != "none"
     ]
-    name = NAMES[metric]
+    name, unit = words.name, words.unit
     base_mean = mean(baseline)
     if not tried:
         corrections = any(e["module"] != "none" for e in entries)
@@ -249,26 +271,26 @@ def decide(
     best = max(passing or tried, key=lambda i: _rank(entries[i]["held_out"][metric]))
     test, score = entries[best]["test"], entries[best]["held_out"][metric]
     counts = (
-        f"better on {test['better']}, worse on {test['worse']} of {test['prompts']} prompts, "
-        f"signed-rank p = {test['p']:.3g}"
+        f"better on {test['better']}, worse on {test['worse']} of {test['prompts']} {unit}, "
+        f"{words.test} p = {test['p']:.3g}"
     )
     if fewest_changes(level) > prompts:
         detectable["mean_gain"] = None
         power = (
-            f"with {prompts} prompts no correction can pass (the test needs at least "
-            f"{fewest_changes(level)} prompts changed, all for the better)"
+            f"with {prompts} {unit} no correction can pass (the test needs at least "
+            f"{fewest_changes(level)} {unit} changed, all for the better)"
         )
     elif gain is None:
-        power = f"no correction changed any of the {prompts} prompts' {name}"
+        power = f"no correction changed any of the {prompts} {unit}' {name}"
     else:
         power = (
-            f"with {prompts} prompts the test detects a mean gain of >= {gain:.3g} in {name} "
+            f"with {prompts} {unit} the test detects a mean gain of >= {gain:.3g} in {name} "
             f"({DETECT_POWER:.0%} power)"
         )
     if passing:
         return Decision(
             best,
-            f"kept {labels[best]}: held-out {name} {_fmt(score)}, none {_fmt(base_mean)} "
+            f"kept {labels[best]}: {words.judged} {name} {_fmt(score)}, none {_fmt(base_mean)} "
             f"({counts} <= {level:.3g}); {power}",
             detectable,
         )
@@ -276,11 +298,11 @@ def decide(
     why = (
         "every candidate scored below the merge"
         if below
-        else "no candidate beat the merge by the signed-rank test"
+        else f"no candidate beat the merge by the {words.test} test"
     )
     return Decision(
         none,
-        f"kept no correction: {why} on held-out completions (best {labels[best]}: {name} "
+        f"kept no correction: {why} on {words.where} (best {labels[best]}: {name} "
         f"{_fmt(score)}, none {_fmt(base_mean)}; {counts} > {level:.3g}); {power}",
         detectable,
     )

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mergekit_darts.config.schema import (
+    LM_EVAL,
     OVERRIDABLE,
     VERDICT_METRICS,
     CalibrationConfig,
     Candidate,
+    DevSplit,
     SelectConfig,
     SurgeryConfig,
     TaskConfig,
@@ -62,7 +64,8 @@ class ResolvedTask:
         if self.select is None:
             return [self]
         candidates = self.select.candidates
-        if self.verdict and all(c.module != "none" for c in candidates):
+        tested = self.verdict or self.dev is not None
+        if tested and all(c.module != "none" for c in candidates):
             candidates = [Candidate(module="none"), *candidates]  # the verdict's baseline
         return [self.as_candidate(c) for c in candidates]
 
@@ -88,6 +91,13 @@ class ResolvedTask:
     def verdict(self) -> bool:
         """Whether selection is decided on the target's completions of the held-out prompts."""
         return self.select is not None and self.select.metric in VERDICT_METRICS
+
+    @property
+    def dev(self) -> DevSplit | None:
+        """With ``metric: lm_eval``, the lm-eval split that judges the candidates."""
+        return (
+            self.select.dev if self.select is not None and self.select.metric == LM_EVAL else None
+        )
 
     @property
     def needs_head(self) -> bool:
@@ -130,6 +140,8 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
     loss trains that one module on every prompt (the paper's recipe).
     """
     for level, where in ((task, key), (config, "surgery")):
+        if level.select and level.holdout is not None and level.select.metric == LM_EVAL:
+            raise SurgeryConfigError(_no_holdout(f"{where}.holdout", f"{where}.select"))
         if level.select and level.holdout is not None:
             raise SurgeryConfigError(
                 f"{where}.holdout: {where}.select.holdout sets the held-out fraction here; "
@@ -144,6 +156,15 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
     else:
         select, select_key = SelectConfig(), "surgery.select"
     default = select is not None and task.select is None and config.select is None
+    if select is not None and (select.metric == LM_EVAL or select.dev is not None):
+        _check_dev(select, select_key, task, key)
+        return {  # every candidate trains on every prompt: the dev split judges
+            "holdout": 0.0,
+            "holdout_key": f"{select_key}.dev",
+            "select": select,
+            "select_key": select_key,
+            "select_default": False,
+        }
     if select is not None and select.folds is not None:
         _check_folds(select, select_key, task, key)
         return {
@@ -186,6 +207,46 @@ def _check_folds(select: SelectConfig, select_key: str, task: TaskConfig, key: s
             "with folds each candidate is trained once per fold; remove refit: false (the kept "
             "settings are refit on every prompt) or use holdout instead of folds"
         )
+
+
+def _check_dev(select: SelectConfig, select_key: str, task: TaskConfig, key: str) -> None:
+    """``metric: lm_eval`` and ``dev`` go together, on a task that names its lm-eval tasks; the
+    dev split judges, so no calibration prompt is held out for it."""
+    if select.dev is None:
+        raise SurgeryConfigError(
+            f"{select_key}.dev: metric lm_eval scores the candidates with lm-eval on a "
+            "development split of the task's eval_tasks; add dev: {split: <split name>} (e.g. "
+            "gsm8k's train), never the split lm-eval evaluates"
+        )
+    if select.metric != LM_EVAL:
+        raise SurgeryConfigError(
+            f"{select_key}.dev: a development split is read by metric lm_eval only (now "
+            f"{select.metric}); set metric: lm_eval or remove dev"
+        )
+    if select.dev.indices is not None and select.dev.limit is not None:
+        raise SurgeryConfigError(
+            f"{select_key}.dev: indices and limit both choose the dev documents; give one"
+        )
+    for setting in ("holdout", "folds"):
+        if setting in select.model_fields_set:
+            raise SurgeryConfigError(
+                f"{select_key}.{setting}: with metric lm_eval the dev split judges the "
+                f"candidates and each trains on every calibration prompt; remove {setting}"
+            )
+    if task.holdout is not None:
+        raise SurgeryConfigError(_no_holdout(f"{key}.holdout", select_key))
+    if task.eval_tasks is None:
+        raise SurgeryConfigError(
+            f"{key}.eval_tasks: metric lm_eval ({select_key}) scores the candidates on the "
+            "lm-eval tasks this module serves; list them, e.g. eval_tasks: [gsm8k]"
+        )
+
+
+def _no_holdout(holdout_key: str, select_key: str) -> str:
+    return (
+        f"{holdout_key}: with metric lm_eval ({select_key}) the dev split judges the candidates "
+        "and each trains on every calibration prompt; remove the holdout"
+    )
 
 
 def check_folds(task: ResolvedTask, num_prompts: int) -> None:

@@ -65,7 +65,10 @@ VERDICT_METRICS = (
     "completion_rho_l1",
     "completion_prefix",
 )
-SelectMetric = Literal["agreement", "kl", "rho_l1", *VERDICT_METRICS]
+# lm-eval's own score of each candidate on a development split of the task's eval_tasks
+# (integrations.lm_eval_dev), tested against none like the verdict
+LM_EVAL = "lm_eval"
+SelectMetric = Literal["agreement", "kl", "rho_l1", *VERDICT_METRICS, LM_EVAL]
 # the block's default candidates: the merge as it is, then Standard + L1 (Yang et al.),
 # pos_corr + L1 and DARTS (pos_corr + EWL1)
 DEFAULT_CANDIDATES = (
@@ -124,6 +127,20 @@ def _off(value: Any) -> Any:
     raise ValueError(f"expected a mapping of select settings, or off (no selection); got {value!r}")
 
 
+class DevSplit(StrictBlock):
+    """``select.dev``: the lm-eval documents that judge the candidates under ``metric: lm_eval``.
+
+    ``split`` names a split of each of the task's ``eval_tasks`` (gsm8k's ``train``), never the
+    one lm-eval evaluates; ``indices`` (positions in that split) or ``limit`` (its first N)
+    narrow it. ``include_path`` is a folder of task YAMLs, as ``lm_eval --include_path``.
+    """
+
+    split: str = Field(min_length=1)
+    indices: list[NonNegativeInt] | None = Field(default=None, min_length=1)
+    limit: PositiveInt | None = None
+    include_path: str | None = None
+
+
 class SelectConfig(StrictBlock):
     """Train every candidate on the prompts not held out; keep the best on the held-out ones.
 
@@ -142,6 +159,7 @@ class SelectConfig(StrictBlock):
     completion_tokens: PositiveInt = 32  # the target's greedy completion of a held-out prompt
     alpha: Fraction = 0.05  # family-wise level of the tests against none (Bonferroni)
     refit: StrictBool = True  # retrain the chosen settings on every prompt before saving
+    dev: DevSplit | None = None  # metric lm_eval: the lm-eval documents that judge
 
 
 def _select_kind(value: Any) -> str:

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mergekit_darts.calibrate.selection import candidate_label
+from mergekit_darts.config.schema import LM_EVAL
 from mergekit_darts.fs import write_text
 from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR, Manifest, RouterEntry, TaskEntry
 from mergekit_darts.messages import first_line
@@ -172,6 +173,16 @@ def _selection_markdown(tasks: Mapping[str, TaskEntry]) -> list[str]:
                 "over those prompts said it beats no correction there."
             ]
             if any("verdict" in (e.selection or {}) for e in tasks.values())
+            else []
+        ),
+        *(
+            [
+                "With `metric: lm_eval` every candidate trained on every prompt and lm-eval "
+                "itself scored it on a development split of the task's eval_tasks; a correction "
+                "was kept only where a one-sided exact McNemar test over those documents said it "
+                "beats no correction."
+            ]
+            if any((e.selection or {}).get("metric") == LM_EVAL for e in tasks.values())
             else []
         ),
         "",
@@ -416,12 +427,16 @@ def _held_out_table(held_out: Mapping[str, Mapping[str, Any]]) -> Table:
 
 
 def _selection_table(selecting: Mapping[str, Mapping[str, Any]]) -> Table:
+    dev = any(selection["metric"] == LM_EVAL for selection in selecting.values())
     table = Table(
-        title="select: every candidate on the held-out prompts (✓ kept)",
+        title="select: every candidate on the held-out prompts"
+        + (" or the dev split (lm_eval)" if dev else "")
+        + " (✓ kept)",
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
-    for column in ("task", "candidate", "agreement", "KL", "ρ_L1", "kept"):
+    columns = ("task", "candidate", "agreement", "KL", "ρ_L1", *(("lm_eval",) if dev else ()))
+    for column in (*columns, "kept"):
         table.add_column(column, justify="left" if column in ("task", "candidate") else "right")
     for task, selection in selecting.items():
         candidates = selection["candidates"]
@@ -434,6 +449,7 @@ def _selection_table(selecting: Mapping[str, Mapping[str, Any]]) -> Table:
                 _number(held["agreement"]),
                 _number(held["kl"], ".3g"),
                 _number(held["rho_l1"]),
+                *((_number(held.get(LM_EVAL)),) if dev else ()),
                 "diverged" if "diverged" in candidate else f"✓ by {selection['metric']}" * chosen,
             )
     return table

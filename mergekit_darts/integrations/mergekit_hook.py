@@ -228,12 +228,17 @@ def prepare_merge_surgery(
         chat_template_set=bool(merge_config.chat_template),
     )
     _check_padding(merge_config, prepared)
+    if not stand_in:  # else after the merge: the documents are checked with its tokenizer
+        from mergekit_darts.integrations.lm_eval_dev import check_dev
+
+        prepared = check_dev(prepared, reference)
     return prepared
 
 
 def finish_merge_surgery(prepared: PreparedSurgery, out_path: str, options: Any) -> None:
     """The surgery on the folder ``run_merge`` just wrote."""
     from mergekit_darts.config import check_targets
+    from mergekit_darts.integrations.lm_eval_dev import check_dev
     from mergekit_darts.integrations.post_merge import run_prepared
 
     # The merge may have built its own tokenizer: check the targets against what it wrote.
@@ -247,7 +252,7 @@ def finish_merge_surgery(prepared: PreparedSurgery, out_path: str, options: Any)
     )
     run_prepared(
         out_path,
-        dataclasses.replace(prepared, targets=targets),
+        check_dev(dataclasses.replace(prepared, targets=targets), str(Path(out_path).resolve())),
         progress=not options.quiet,
         write_card=options.write_model_card,
     )

@@ -23,6 +23,7 @@ from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.config import SurgeryConfig
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.integrations.card import print_summary, update_model_card
+from mergekit_darts.integrations.lm_eval_dev import check_dev
 from mergekit_darts.integrations.record import record_block
 
 
@@ -57,6 +58,7 @@ def run_surgery(
         out_path=merged,
         overwrite=overwrite,
     )
+    prepared = check_dev(prepared, str(merged.resolve()))
     return run_prepared(
         merged, prepared, progress=progress, write_card=write_card, store=store, on_phase=on_phase
     )
