@@ -32,6 +32,7 @@ from lm_eval.api.instance import Instance
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.core.overlap import NGRAM, CalibrationGrams
 from mergekit_darts.diagnostics import diagnostics_path, read_token_ids
+from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.task_map import ROUTED
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,13 @@ log = logging.getLogger(__name__)
 
 def calibration_sequences(path: Path, drop: set[int]) -> list[list[int]]:
     """Each stored calibration sequence's real token ids, without ``drop`` (special tokens)."""
-    ids, mask = read_token_ids(path)
+    try:
+        ids, mask = read_token_ids(path)
+    except SurgeryFormatError as err:
+        raise SurgeryFormatError(
+            f"{err}: the leakage check reads it; re-run `mergekit-darts calibrate` on this "
+            "folder, or delete the file to evaluate without the check"
+        ) from None
     return [
         [t for t in row[keep].tolist() if t not in drop]
         for row, keep in zip(ids, mask, strict=True)

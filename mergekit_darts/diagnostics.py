@@ -14,14 +14,17 @@ calibration sequence, right-padded:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
+from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.manifest import TaskEntry
+from mergekit_darts.messages import first_line
 
 DIAGNOSTICS_FORMAT = "darts-surgery-diagnostics"  # the file's one metadata value
 
@@ -72,12 +75,37 @@ def diagnostics_path(surgery_dir: Path, entry: TaskEntry | None) -> Path | None:
     return path if path.is_file() else None
 
 
+REQUIRED = (
+    "input_ids",
+    "mask",
+    "delta_before",
+    "delta_after",
+)  # every version of the file has them
+
+
 def read_diagnostics(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, by name."""
-    return load_file(path)
+    """Every tensor of the file, by name; :class:`SurgeryFormatError` when it cannot be read."""
+    tensors = _readable(path, lambda: load_file(path))
+    missing = [name for name in REQUIRED if name not in tensors]
+    if missing:
+        raise SurgeryFormatError(f"{path} is not a diagnostics file (no {', '.join(missing)})")
+    return tensors
 
 
 def read_token_ids(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(``input_ids``, ``mask`` as bool) only, without reading the per-token measurements."""
-    with safe_open(path, framework="pt") as file:
-        return file.get_tensor("input_ids"), file.get_tensor("mask").bool()
+
+    def read() -> tuple[torch.Tensor, torch.Tensor]:
+        with safe_open(path, framework="pt") as file:
+            return file.get_tensor("input_ids"), file.get_tensor("mask").bool()
+
+    return _readable(path, read)
+
+
+def _readable(path: Path, read: Callable[[], Any]) -> Any:
+    """``read()``, with a file that is cut, corrupt or missing a tensor as one line naming it."""
+    try:
+        return read()
+    except (OSError, SafetensorError, KeyError) as err:
+        why = f"no tensor {err}" if isinstance(err, KeyError) else first_line(str(err))
+        raise SurgeryFormatError(f"{path} is not a readable diagnostics file ({why})") from None

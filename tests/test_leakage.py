@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 from lm_eval.api.instance import Instance
+from safetensors.torch import load_file, save_file
 from tiny import surgery_block
 from transformers import AutoTokenizer
 
 from lm_eval_darts.leakage import LeakageCheck
+from mergekit_darts.analysis.report import write_report
+from mergekit_darts.errors import ReportError, SurgeryFormatError
 from mergekit_darts.integrations.post_merge import run_surgery
 from mergekit_darts.manifest import surgery_dir
 
@@ -93,3 +96,26 @@ def test_a_framed_prompt_with_long_content_matches_through_its_own_windows():
     assert grams.found_in(content[1][:13])  # 13 of its own tokens, no frame
     assert not grams.found_in(content[1][:12] + tail)  # 12 of them + the frame
     assert not grams.found_in(head[-1:] + content[1][:12])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["cut", "no mask"])
+def test_an_unreadable_diagnostics_file_is_one_line(folders, tmp_path, damage):
+    surgery = Path(shutil.copytree(folders[512].parent, tmp_path / "merged")) / "surgery"
+    (path,) = (surgery / "diagnostics").glob("*.safetensors")
+    if damage == "cut":
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        tensors = load_file(path)
+        tensors.pop("mask")
+        save_file(tensors, path)
+    with pytest.raises(SurgeryFormatError) as err:
+        overlaps(surgery, [WHOLE])
+    message = str(err.value)
+    assert (
+        message.startswith(f"{path} is not a readable diagnostics file (") and "\n" not in message
+    )
+    assert "re-run `mergekit-darts calibrate`" in message
+    with pytest.raises(ReportError) as err:
+        write_report(surgery.parent, output=tmp_path / "report", progress=False)
+    assert str(err.value).startswith(f"{path} is not a") and "--recompute" in str(err.value)

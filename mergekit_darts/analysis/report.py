@@ -25,11 +25,10 @@ from mergekit_darts.analysis.document import Document
 from mergekit_darts.artifacts import load_surgery, read_manifest
 from mergekit_darts.core.metrics import rho_from_deltas
 from mergekit_darts.diagnostics import diagnostics_path, read_diagnostics
-from mergekit_darts.errors import ReportError
+from mergekit_darts.errors import ReportError, SurgeryFormatError
 from mergekit_darts.fs import check_writable, write_text
 from mergekit_darts.manifest import MANIFEST, REPORT_DIR, SURGERY_YAML, Manifest, TaskEntry
 from mergekit_darts.manifest import surgery_dir as surgery_path
-from mergekit_darts.messages import first_line
 
 PAGES = ("report.md", "report.html", "rho_l1.png", "loss_curves.png")  # once per report
 TASK_PLOTS = ("delta_heatmap", "delta_by_position", "entropy")  # <task>_<plot>.png per task
@@ -53,27 +52,24 @@ class Diagnostics:
 def load_diagnostics(surgery_dir: Path, entry: TaskEntry) -> Diagnostics | None:
     """The diagnostics the pipeline stored for one task, or None when there are none; a file
     that cannot be read is one line naming it (``--recompute`` does without it)."""
-    from safetensors import SafetensorError
-
     path = diagnostics_path(surgery_dir, entry)
     if path is None:
         return None
     try:
         tensors = {k: plots.as_array(v) for k, v in read_diagnostics(path).items()}
-        mask = tensors["mask"] > 0
-        return Diagnostics(
-            delta_before=tensors["delta_before"],
-            delta_after=tensors["delta_after"],
-            mask=mask,
-            loss_mask=tensors["loss_mask"] > 0 if "loss_mask" in tensors else mask,
-            entropy=tensors.get("entropy"),
-        )
-    except (OSError, SafetensorError, KeyError) as err:
-        why = f"no tensor {err}" if isinstance(err, KeyError) else first_line(str(err))
+    except SurgeryFormatError as err:
         raise ReportError(
-            f"{path} is not a readable diagnostics file ({why}): run "
-            f"`mergekit-darts report {surgery_dir.parent} --recompute`, which computes them anew"
+            f"{err}: run `mergekit-darts report {surgery_dir.parent} --recompute`, which computes "
+            "them anew"
         ) from None
+    mask = tensors["mask"] > 0
+    return Diagnostics(
+        delta_before=tensors["delta_before"],
+        delta_after=tensors["delta_after"],
+        mask=mask,
+        loss_mask=tensors["loss_mask"] > 0 if "loss_mask" in tensors else mask,
+        entropy=tensors.get("entropy"),
+    )
 
 
 def position_bias_norm(surgery_dir: Path, task: str, entry: TaskEntry) -> np.ndarray | None:
