@@ -136,6 +136,8 @@ def test_every_prompt_is_judged_once(crossfit_run, tiny_family):
     assert selection["test"].startswith("one-sided exact Wilcoxon signed-rank")
     assert selection["detectable"]["prompts"] == 12
     assert "held_out" not in manifest["tasks"]["math"]  # no share was held out
+    # the heads were captured: every candidate's agreement and KL over its judged tokens
+    assert all(c["held_out"]["agreement"] is not None for c in selection["candidates"])
 
 
 @pytest.mark.slow

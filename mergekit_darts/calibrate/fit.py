@@ -193,7 +193,7 @@ def _converged(run: TaskRun, task: ResolvedTask, result: TrainResult) -> TrainRe
 def judged_rows(task: ResolvedTask, n: int) -> torch.Tensor:
     """The prompts the selection judges, of ``n``: every one with folds, else the held-out share
     (the split training uses: ``holdout_split`` of the task's count and seed)."""
-    if task.select is not None and task.select.folds is not None:
+    if task.folds:
         return torch.arange(n)
     return holdout_split(n, task.holdout, task.seed)[1]
 
@@ -201,12 +201,12 @@ def judged_rows(task: ResolvedTask, n: int) -> torch.Tensor:
 def _splits(run: TaskRun) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(training rows, judged rows) per fit of a candidate: one per fold, or the one split."""
     task, n = run.task, len(run.sequences)
-    if task.select.folds is None:
+    if not task.folds:
         return [(run.train_rows, run.held_rows)]
     every = torch.arange(n)
     return [
         (every[~torch.isin(every, judged)], judged)
-        for judged in fold_split(n, task.select.folds, task.seed)
+        for judged in fold_split(n, task.folds, task.seed)
     ]
 
 
@@ -355,10 +355,10 @@ def _select_on_dev(
 def _judged_record(run: TaskRun, splits: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
     """Which prompts judged the candidates, by sha256: the held-out share, or every fold."""
     sha = run.prompts.sha256
-    if run.task.select.folds is None:
+    if not run.task.folds:
         return {"holdout": run.task.holdout, "holdout_sha256": run.held_sha256()}
     return {
-        "folds": run.task.select.folds,
+        "folds": run.task.folds,
         "fold_sha256": [[sha[i] for i in judged.tolist()] for _, judged in splits],
     }
 

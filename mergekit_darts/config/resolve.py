@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mergekit_darts.config.schema import (
+    DEFAULT_HOLDOUT,
     LM_EVAL,
     OVERRIDABLE,
     VERDICT_METRICS,
@@ -50,6 +51,7 @@ class ResolvedTask:
     overridden: frozenset[str]  # settings the task sets itself
     holdout: float = 0.0  # fraction of prompts held out from training (0: none)
     holdout_key: str = ""  # where the holdout was set, for messages
+    folds: int = 0  # cross-fitting folds of the selection (0: none; then holdout may hold out)
     select: SelectConfig | None = None
     select_key: str = ""
     select_default: bool = False  # no select, module or loss written: the default selection
@@ -102,7 +104,7 @@ class ResolvedTask:
     @property
     def needs_head(self) -> bool:
         """Capture the output heads: logits are needed, or held-out agreement / KL are reported."""
-        return self.needs_logits or self.holdout > 0
+        return self.needs_logits or self.holdout > 0 or self.folds > 0
 
     def source_key(self, setting: str) -> str:
         """Key path where ``setting`` was set: the task's override or the block default."""
@@ -165,19 +167,27 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
             "select_key": select_key,
             "select_default": False,
         }
+    holdout_given = (
+        task.holdout is not None
+        or (default and config.holdout)
+        or (select is not None and select.holdout is not None)
+    )
     if select is not None and select.folds is not None:
-        _check_folds(select, select_key, task, key)
-        return {
-            "holdout": 0.0,  # every prompt is judged once, by the folds
-            "holdout_key": f"{select_key}.folds",
-            "select": select,
-            "select_key": select_key,
-            "select_default": default,
-        }
+        explicit = "folds" in select.model_fields_set
+        if explicit or not holdout_given:
+            _check_folds(select, select_key, task, key)
+            return {
+                "holdout": 0.0,  # every prompt is judged once, by the folds
+                "holdout_key": f"{select_key}.folds",
+                "folds": select.folds,
+                "select": select,
+                "select_key": select_key,
+                "select_default": default,
+            }
     if task.holdout is not None:
         holdout, holdout_key = task.holdout, f"{key}.holdout"
     elif select is not None and not (default and config.holdout):
-        holdout, holdout_key = select.holdout, f"{select_key}.holdout"
+        holdout, holdout_key = select.holdout or DEFAULT_HOLDOUT, f"{select_key}.holdout"
     else:
         holdout, holdout_key = config.holdout or 0.0, "surgery.holdout"
     return {
@@ -191,7 +201,7 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
 
 def _check_folds(select: SelectConfig, select_key: str, task: TaskConfig, key: str) -> None:
     """Cross-fitting judges every prompt, so no share is held out and the kept one is refit."""
-    if "holdout" in select.model_fields_set:
+    if select.holdout is not None:
         raise SurgeryConfigError(
             f"{select_key}: holdout and folds both say which prompts judge the candidates; give "
             "folds (every prompt judged once) or holdout (one share), not both"
@@ -251,11 +261,12 @@ def _no_holdout(holdout_key: str, select_key: str) -> str:
 
 def check_folds(task: ResolvedTask, num_prompts: int) -> None:
     """Each fold must hold a prompt and leave one to train on; run once the prompts are read."""
-    folds = task.select.folds if task.select is not None else None
-    if folds is not None and folds > num_prompts:
+    folds = task.folds
+    if folds and folds > num_prompts:
+        hint = f" {DEFAULT_SELECT_HINT}" if task.select_default else ""
         raise SurgeryConfigError(
             f"{task.select_key}.folds: {folds} folds need at least {folds} calibration prompts, "
-            f"and task {task.name!r} has {num_prompts}; lower folds or give more prompts"
+            f"and task {task.name!r} has {num_prompts}; lower folds or give more prompts{hint}"
         )
 
 
