@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from tiny import surgery_block
+from tiny import quick_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import run_surgery
@@ -25,33 +25,19 @@ TOKENS = 6  # completion tokens: enough for the reproduced prefix to take severa
 FOLDS = 3
 
 
-def _block(tiny_family, calibration_data, **select) -> dict:
-    return surgery_block(
-        tiny_family.math,
-        calibration_data / "math.jsonl",
-        calibration={"max_length": 24},
-        steps=15,
-        batch_size=4,
-        max_positions=64,
-        cache_dtype="float32",
-        select=select,
-    )
-
-
 @pytest.fixture(scope="module")
 def crossfit_run(tiny_family, calibration_data, tiny_merged, tmp_path_factory):
     """pos_corr + L1 against none, cross-fitted over 3 folds of the 12 prompts; alpha loose so
     that the refit of a correction, not the identity, is what gets saved."""
     merged = Path(shutil.copytree(tiny_merged, tmp_path_factory.mktemp("crossfit") / "merged"))
-    block = _block(
-        tiny_family,
-        calibration_data,
-        candidates=[{"module": "pos_corr", "loss": "l1"}],
-        folds=FOLDS,
-        metric="completion_prefix",
-        completion_tokens=TOKENS,
-        alpha=0.6,
-    )
+    select = {
+        "candidates": [{"module": "pos_corr", "loss": "l1"}],
+        "folds": FOLDS,
+        "metric": "completion_prefix",
+        "completion_tokens": TOKENS,
+        "alpha": 0.6,
+    }
+    block = quick_block(tiny_family, calibration_data, select=select)
     return merged, block, run_surgery(merged, block, progress=False)
 
 
@@ -101,7 +87,7 @@ def test_fold_split_covers_every_row_once_in_near_equal_folds():
 def test_folds_that_cannot_work_are_one_line_errors(
     tiny_family, calibration_data, select, task, message
 ):
-    block = _block(tiny_family, calibration_data, **select)
+    block = quick_block(tiny_family, calibration_data, select=select)
     block["tasks"][0].update(task)
     with pytest.raises(SurgeryConfigError) as err:
         resolve_tasks(parse_surgery(block))
@@ -112,7 +98,7 @@ def test_folds_that_cannot_work_are_one_line_errors(
 def test_more_folds_than_prompts_stop_before_any_model_loads(
     tiny_family, calibration_data, merged_copy
 ):
-    block = _block(tiny_family, calibration_data, folds=13)
+    block = quick_block(tiny_family, calibration_data, select={"folds": 13})
     with pytest.raises(SurgeryConfigError) as err:
         run_surgery(merged_copy, block, progress=False)
     assert str(err.value) == (

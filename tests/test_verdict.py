@@ -13,7 +13,7 @@ import pytest
 import torch
 from rich.console import Console
 from scipy.stats import binomtest, norm, rankdata
-from tiny import surgery_block, surgery_task
+from tiny import quick_block, surgery_task
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, run_surgery
@@ -42,19 +42,6 @@ def _task(tiny_family, calibration_data, **settings) -> dict:
     )
 
 
-def _block(tiny_family, calibration_data, **settings) -> dict:
-    return surgery_block(
-        tiny_family.math,
-        calibration_data / "math.jsonl",
-        calibration={"max_length": 24},
-        steps=15,
-        batch_size=4,
-        max_positions=64,
-        cache_dtype="float32",
-        **settings,
-    )
-
-
 @pytest.fixture(scope="module")
 def verdict_run(tiny_family, calibration_data, tiny_merged, tmp_path_factory):
     """pos_corr + L1 against none on 3-token completions, the measured module saved. alpha is
@@ -67,7 +54,7 @@ def verdict_run(tiny_family, calibration_data, tiny_merged, tmp_path_factory):
         "alpha": 0.6,
         "refit": False,
     }
-    block = _block(tiny_family, calibration_data, select=select)
+    block = quick_block(tiny_family, calibration_data, select=select)
     return merged, run_surgery(merged, block, progress=False)
 
 

@@ -303,6 +303,22 @@ def surgery_block(
     return {**settings, "tasks": [entry]}
 
 
+def quick_block(family: Any, data: Path, **settings: Any) -> dict[str, Any]:
+    """Task math of ``family`` on the 12 prompts of ``data/math.jsonl`` (24 tokens at most), 15
+    steps of batches of 4, float32 captures: a selection run in seconds; ``settings`` are block
+    keys."""
+    return surgery_block(
+        family.math,
+        data / "math.jsonl",
+        calibration={"max_length": 24},
+        steps=15,
+        batch_size=4,
+        max_positions=64,
+        cache_dtype="float32",
+        **settings,
+    )
+
+
 def one_task_block(family: Any, data: Path) -> dict[str, Any]:
     """A quick block: task math of ``family``, four prompts of ``data/math.jsonl``, two steps."""
     return surgery_block(
