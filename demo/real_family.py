@@ -3,9 +3,10 @@ fine-tuned from it.
 
 The base is the real checkpoint (demo.smollm2). Each expert fine-tunes only the
 top `trainable_layers` decoder layers and the final norm on one domain of
-demo.real_domains (answers of a few tokens) or demo.long_domains (about 50), the loss on the answer and the end-of-turn token only; the tied
-embeddings/head stay frozen. Everything below those layers is frozen too, so their output for
-each training item is computed once and cached: a step then costs the top layers only. That is
+demo.real_domains (answers of a few tokens) or demo.long_domains (about 50 tokens), the loss on
+the answer and the end-of-turn token only; the tied embeddings/head stay frozen. Everything below
+those layers is frozen too, so their output for each training item is computed once and cached: a
+step then costs the top layers only. That is
 what makes three experts of a 135M model a few CPU minutes; the task vectors live in the top
 layers, which is where a merge of them has something to carry.
 
