@@ -22,10 +22,11 @@ from demo.pinning import reexec_if_unpinned
 )
 @click.option(
     "--scale",
-    type=click.Choice(["full", "tiny", "real"]),
+    type=click.Choice(["full", "tiny", "real", "long"]),
     default="full",
     show_default=True,
-    help="full/tiny: the tiny Llama family; real: SmolLM2-135M-Instruct experts (make demo-real).",
+    help="full/tiny: the tiny Llama family; real: SmolLM2-135M-Instruct experts (make demo-real); "
+    "long: SmolLM2 experts with 50-token answers.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Family and merge seed.")
 @click.option(

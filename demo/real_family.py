@@ -1,10 +1,12 @@
-"""The real family (`make demo-real`): SmolLM2-135M-Instruct and three experts fine-tuned from it.
+"""The real families (`make demo-real`, `--scale long`): SmolLM2-135M-Instruct and three experts
+fine-tuned from it.
 
 The base is the real checkpoint (demo.smollm2). Each expert fine-tunes only the
 top `trainable_layers` decoder layers and the final norm on one domain of
-demo.real_domains, the loss on the answer and the end-of-turn token only; the tied
-embeddings/head stay frozen. Everything below those layers is frozen too, so their output for
-each training item is computed once and cached: a step then costs the top layers only. That is
+demo.real_domains (answers of a few tokens) or demo.long_domains (about 50 tokens), the loss on
+the answer and the end-of-turn token only; the tied embeddings/head stay frozen. Everything below
+those layers is frozen too, so their output for each training item is computed once and cached: a
+step then costs the top layers only. That is
 what makes three experts of a 135M model a few CPU minutes; the task vectors live in the top
 layers, which is where a merge of them has something to carry.
 
@@ -22,6 +24,7 @@ import hashlib
 import json
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -36,7 +39,7 @@ from transformers import (
     get_cosine_schedule_with_warmup,
 )
 
-from demo.domains import DOMAIN_NAMES, Example, Splits, make_splits
+from demo.domains import DOMAIN_NAMES, Example, Generator, Splits, make_splits
 from demo.family_io import (
     FamilyPaths,
     build_environment,
@@ -49,13 +52,12 @@ from demo.family_io import (
     write_stamp,
     write_tasks,
 )
+from demo.long_domains import LONG_DOMAINS
 from demo.pinning import PINS
 from demo.real_domains import REAL_DOMAINS
 from demo.smollm2 import WEIGHTS_SHA256, smollm2_folder
 
-REAL_VERSION = 1
 END_OF_TURN = "<|im_end|>"
-MAX_GEN_TOKS = 16  # the answers are a few tokens; a chatty model is cut here
 
 
 @dataclass(frozen=True)
@@ -72,40 +74,66 @@ class RealRecipe:
     n_eval: int = 50  # evaluation items per domain
 
 
+@dataclass(frozen=True)
+class RealScale:
+    """One family built from SmolLM2 (`--scale real` or `long`): its domains, recipe and the
+    evaluation's generation length; the same build path serves all of them."""
+
+    version: int | str  # part of the build's identity: change it when the items change (each
+    # scale's own values, so two scales never share an identity)
+    domains: Mapping[str, Generator]
+    recipe: RealRecipe
+    max_gen_toks: int  # the evaluation's generation limit: the longest answer, with room
+
+
+SCALES = {  # the `--scale` value: also the stamp's `scale` and the training items' seed prefix
+    # the answers are a few tokens; a chatty model is cut at 16
+    "real": RealScale(1, REAL_DOMAINS, RealRecipe(), 16),
+    # the longest answer and its end-of-turn are 66 tokens (demo.long_domains)
+    "long": RealScale("long-1", LONG_DOMAINS, RealRecipe(), 80),
+}
+
+
 def build_real_family(
-    root: Path, seed: int = 0, progress: bool = True, recipe: RealRecipe | None = None
+    root: Path,
+    seed: int = 0,
+    progress: bool = True,
+    recipe: RealRecipe | None = None,
+    scale: str = "real",
 ) -> FamilyPaths:
-    """Fine-tune (or reuse, when `root` holds a complete build of the same recipe) the experts;
-    the base folder is the converted checkpoint itself."""
-    recipe = recipe or RealRecipe()
+    """Fine-tune (or reuse, when `root` holds a complete build of the same recipe) the experts
+    of `scale` (a key of SCALES); the base folder is the converted checkpoint itself."""
+    spec = SCALES[scale]
+    recipe = recipe or spec.recipe
     base = smollm2_folder()
     paths = replace(family_paths(Path(root).resolve()), base=base)
-    ident = {"version": REAL_VERSION, "seed": seed, "recipe": asdict(recipe)}
+    ident = {"version": spec.version, "seed": seed, "recipe": asdict(recipe)}
     ident.update(base_weights=WEIGHTS_SHA256, pins=PINS)  # the pins decide the weights' bits
     recipe_hash = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
     if is_complete(paths, recipe_hash):
-        write_tasks(paths, END_OF_TURN, MAX_GEN_TOKS)
+        write_tasks(paths, END_OF_TURN, spec.max_gen_toks)
         return paths
     paths.stamp.unlink(missing_ok=True)
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base)
     raw = {
-        d: make_splits(d, seed, recipe.n_calib, recipe.n_eval, REAL_DOMAINS) for d in DOMAIN_NAMES
+        d: make_splits(d, seed, recipe.n_calib, recipe.n_eval, spec.domains) for d in DOMAIN_NAMES
     }
     write_data(paths, {d: _templated(tokenizer, s) for d, s in raw.items()})
-    write_tasks(paths, END_OF_TURN, MAX_GEN_TOKS)
+    write_tasks(paths, END_OF_TURN, spec.max_gen_toks)
     losses = {}
     with build_environment(progress):
         pretrained = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         for domain, folder in paths.experts.items():
-            rng = random.Random(f"darts-demo-real:{seed}:{domain}")
-            items = training_items(rng, domain, recipe.train_items, raw[domain].held_out())
-            batches = _cached_batches(pretrained, tokenizer, items, recipe)
+            rng = random.Random(f"darts-demo-{scale}:{seed}:{domain}")
+            held_out = raw[domain].held_out()
+            items = training_items(rng, domain, recipe.train_items, held_out, spec.domains)
+            batches = cached_batches(pretrained, tokenizer, items, recipe)
             torch.manual_seed(seed)
-            expert, losses[domain] = _fine_tune_top(pretrained, batches, recipe, progress, domain)
+            expert, losses[domain] = fine_tune_top(pretrained, batches, recipe, progress, domain)
             save_model(expert, tokenizer, folder)
     seconds = time.perf_counter() - start
-    write_stamp(paths, recipe, seed, "real", recipe_hash, losses, seconds)
+    write_stamp(paths, recipe, seed, scale, recipe_hash, losses, seconds)
     return paths
 
 
@@ -123,12 +151,16 @@ def _templated(tokenizer: PreTrainedTokenizerBase, splits: Splits) -> Splits:
 
 
 def training_items(
-    rng: random.Random, domain: str, count: int, held_out: frozenset[str]
+    rng: random.Random,
+    domain: str,
+    count: int,
+    held_out: frozenset[str],
+    generators: Mapping[str, Generator] = REAL_DOMAINS,
 ) -> list[Example]:
     """`count` distinct items of `domain`, none of them a calibration or evaluation prompt."""
     items: dict[str, Example] = {}
     while len(items) < count:
-        ex = REAL_DOMAINS[domain](rng)
+        ex = generators[domain](rng)
         if ex.prompt not in held_out:
             items.setdefault(ex.prompt, ex)
     return list(items.values())
@@ -138,7 +170,7 @@ Cached = tuple[torch.Tensor, torch.Tensor]  # (input to the top layers, labels),
 
 
 @torch.no_grad()
-def _cached_batches(
+def cached_batches(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     items: list[Example],
@@ -160,7 +192,7 @@ def _cached_batches(
     return cached
 
 
-def _fine_tune_top(
+def fine_tune_top(
     pretrained: PreTrainedModel,
     batches: list[Cached],
     recipe: RealRecipe,

@@ -87,11 +87,12 @@ def merge_with_surgery(
 
 
 def _build(settings: DemoSettings) -> FamilyPaths:
-    """The tiny family (`full`/`tiny`) or the SmolLM2 family (`real`), cached under out/family."""
-    if settings.scale == "real":
+    """The tiny family (`full`/`tiny`) or a SmolLM2 family (`real`, `long`), cached under
+    out/family."""
+    if settings.scale in ("real", "long"):
         from demo.real_family import build_real_family
 
-        return build_real_family(settings.out / "family", settings.seed)
+        return build_real_family(settings.out / "family", settings.seed, scale=settings.scale)
     return build_family(settings.out / "family", settings.seed, settings.scale)
 
 
