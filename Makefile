@@ -64,7 +64,7 @@ bench: install
 ## a virtualenv of its own: .venv-lowest installs their lower bounds (.ci/lowest_pins.py reads them
 ## from pyproject.toml), .venv-newest the newest releases the ranges admit (built afresh each run).
 ## torch is $(TORCH) in both: PyPI's Linux wheels of other torch versions are CUDA builds.
-## Measured on 2 cores shared with other jobs: about 7 minutes a target, install included.
+## About 4 minutes a target on 2 cores, install included (7 beside two other busy jobs).
 ## Not the whole suite, to keep CI short: the quick tests, then the slow ones that drive the
 ## dependencies for real: merges with a surgery block through mergekit and the stock mergekit-yaml,
 ## the stock lm_eval CLI with hf-darts, training, an export loaded by transformers without this
