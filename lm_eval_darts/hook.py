@@ -1,11 +1,11 @@
 """Registration of ``hf-darts`` with lm-eval's model registry.
 
-lm-eval 0.4.13 reads no model entry points, so the stock ``lm_eval`` command learns about
-``hf-darts`` from the startup hook (``_darts_startup``), which calls :func:`install` right after
-``lm_eval.models`` has registered the built-in models. The order matters: ``get_model`` imports
-``lm_eval.models`` only while the registry is empty, so registering first would hide ``hf`` and
-every other built-in. Only a lazy ``"module:Class"`` placeholder is registered; torch and HFLM
-load when someone asks for ``hf-darts``.
+lm-eval (in the versions pyproject.toml allows) reads no model entry points, so the stock
+``lm_eval`` command learns about ``hf-darts`` from the startup hook (``_darts_startup``), which
+calls :func:`install` right after ``lm_eval.models`` has registered the built-in models. The order
+matters: ``get_model`` imports ``lm_eval.models`` only while the registry is empty, so registering
+first would hide ``hf`` and every other built-in. Only a lazy ``"module:Class"`` placeholder is
+registered; torch and HFLM load when someone asks for ``hf-darts``.
 """
 
 from __future__ import annotations

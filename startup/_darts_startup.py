@@ -1,8 +1,8 @@
 """Lazy startup hook installed by mergekit-darts through a ``.pth`` file.
 
-mergekit 0.1.5 has no plugin hooks and lm-eval 0.4.13 reads no model entry points, so the stock
-``mergekit-yaml`` and ``lm_eval`` commands can only learn about DARTS if something patches them as
-they are imported. This module adds one cheap meta-path finder: it ignores every import except the
+In the versions pyproject.toml allows, mergekit has no plugin hooks and lm-eval reads no model
+entry points, so the stock ``mergekit-yaml`` and ``lm_eval`` commands can only learn about DARTS if
+something patches them as they are imported. This module adds one cheap meta-path finder: it ignores every import except the
 modules it watches, and for those it runs the real loader and then calls our patch function.
 Nothing heavy (torch, mergekit, lm_eval) is imported until the user imports those packages.
 Set ``DARTS_NO_HOOK=1`` to turn it off.

