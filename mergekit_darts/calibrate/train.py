@@ -172,24 +172,8 @@ def train_surgery(
     the rest is held out, and the result's rho_L1 covers the training rows only. A module
     without parameters (kind ``none``) is measured, not trained: delta after = delta before.
     """
-    if merged.hidden.shape != target.hidden.shape or not torch.equal(merged.mask, target.mask):
-        raise ValueError(
-            f"merged and target captures differ: {tuple(merged.hidden.shape)} vs "
-            f"{tuple(target.hidden.shape)}; they must come from the same token sequences"
-        )
-    if settings.loss == "ewl1" and target.entropy is None:
-        raise ValueError("the ewl1 loss needs the target's entropy: capture it with_entropy=True")
-    if settings.loss in losses.LOGIT_LOSSES:
-        if merged.head is None or target.head is None:
-            raise ValueError(f"the {settings.loss} loss needs both output heads: with_head=True")
-        for captured in (merged, target):
-            captured.head.require(f"the {settings.loss} loss")
-    n = merged.hidden.shape[0]
-    rows = torch.arange(n) if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
-    counted = merged.mask if loss_mask is None else loss_mask.to(torch.bool) & merged.mask
-    counted = in_rows(counted, rows)
-    if not counted.any():
-        raise ValueError("no token is counted by the loss mask")
+    _check_captures(merged, target, settings)
+    rows, counted = _training_tokens(merged, loss_mask, rows)
     merged, target = _to(merged, device), _to(target, device)
     counted = counted.to(device)
     module = module.to(device=device, dtype=torch.float32).train()
@@ -211,6 +195,51 @@ def train_surgery(
         loss = optimizer_step(module, optimizer, merged, target, batch, counted, settings.loss)
         curve.append(loss.item())
     seconds = time.perf_counter() - start
+    return _result(module, merged, target, settings, rows, counted, curve, seconds, loss_start)
+
+
+def _check_captures(merged: Captured, target: Captured, settings: TrainSettings) -> None:
+    """The two captures fit each other and ``settings.loss``."""
+    if merged.hidden.shape != target.hidden.shape or not torch.equal(merged.mask, target.mask):
+        raise ValueError(
+            f"merged and target captures differ: {tuple(merged.hidden.shape)} vs "
+            f"{tuple(target.hidden.shape)}; they must come from the same token sequences"
+        )
+    if settings.loss == "ewl1" and target.entropy is None:
+        raise ValueError("the ewl1 loss needs the target's entropy: capture it with_entropy=True")
+    if settings.loss in losses.LOGIT_LOSSES:
+        if merged.head is None or target.head is None:
+            raise ValueError(f"the {settings.loss} loss needs both output heads: with_head=True")
+        for captured in (merged, target):
+            captured.head.require(f"the {settings.loss} loss")
+
+
+def _training_tokens(
+    merged: Captured, loss_mask: torch.Tensor | None, rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``rows`` as a CPU index, default all; [N, T] bool: the tokens of those rows the loss
+    counts), refusing a set that counts none."""
+    n = merged.hidden.shape[0]
+    rows = torch.arange(n) if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
+    counted = merged.mask if loss_mask is None else loss_mask.to(torch.bool) & merged.mask
+    counted = in_rows(counted, rows)
+    if not counted.any():
+        raise ValueError("no token is counted by the loss mask")
+    return rows, counted
+
+
+def _result(
+    module: SurgeryModule,
+    merged: Captured,
+    target: Captured,
+    settings: TrainSettings,
+    rows: torch.Tensor,
+    counted: torch.Tensor,
+    curve: list[float],
+    seconds: float,
+    loss_start: float,
+) -> TrainResult:
+    """The trained ``module`` judged on its training tokens: final loss, bias, rho_L1."""
     module.eval()
     loss_end = dataset_loss(module, merged, target, rows, counted, settings)
     before, after, rho = measure_bias(module, merged, target, counted)
@@ -255,11 +284,11 @@ def train_stacked(
             )
             for m, r in zip(modules, rows, strict=True)
         ]
+    _check_captures(merged, target, settings)
+    rows, own = zip(*(_training_tokens(merged, loss_mask, r) for r in rows), strict=True)
     counted = merged.mask if loss_mask is None else loss_mask.to(torch.bool) & merged.mask
     merged, target = _to(merged, device), _to(target, device)
-    counted = counted.to(device)
-    rows = [torch.as_tensor(r, dtype=torch.long).cpu() for r in rows]
-    own = [in_rows(counted, r) for r in rows]
+    counted, own = counted.to(device), [c.to(device) for c in own]
     modules = [m.to(device=device, dtype=torch.float32).train() for m in modules]
     starts = [
         dataset_loss(m, merged, target, r, c, settings)
@@ -305,15 +334,10 @@ def train_stacked(
         for k in stepping:
             optimizers[k].step()
     seconds = (time.perf_counter() - start) / len(modules)
-    results = []
-    for module, r, c, loss_start, curve in zip(modules, rows, own, starts, curves, strict=True):
-        module.eval()
-        loss_end = dataset_loss(module, merged, target, r, c, settings)
-        before, after, rho = measure_bias(module, merged, target, c)
-        results.append(
-            TrainResult(module, curve, rho, before, after, seconds, loss_start, loss_end)
-        )
-    return results
+    return [
+        _result(module, merged, target, settings, r, c, curve, seconds, loss_start)
+        for module, r, c, loss_start, curve in zip(modules, rows, own, starts, curves, strict=True)
+    ]
 
 
 def _padded(batch: torch.Tensor, size: int) -> torch.Tensor:
