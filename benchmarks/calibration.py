@@ -298,23 +298,18 @@ def _stacked_against_one_by_one(
 ) -> dict[str, Any]:
     """Cross-fitting's fits of one candidate (DARTS, 5 folds): together (train_stacked) against
     one after another (train_surgery per fold), interleaved, on this run's device."""
-    import torch
 
     from mergekit_darts import build_module
-    from mergekit_darts.calibrate.selection import fold_split
+    from mergekit_darts.calibrate.selection import cross_fit_splits
     from mergekit_darts.calibrate.train import train_stacked, train_surgery
 
     n = held["merged"].hidden.shape[0]
-    every = torch.arange(n)
-    rows = [every[~torch.isin(every, fold)] for fold in fold_split(n, min(STACKED_FOLDS, n), 0)]
+    rows = [train for train, _ in cross_fit_splits(n, min(STACKED_FOLDS, n), 0)]
     device = settings["device"]
+    shape = (hidden, settings["rank"], settings["max_positions"])
 
     def modules() -> list[Any]:
-        make = build_module
-        return [
-            make("pos_corr", hidden, settings["rank"], settings["max_positions"], seed=0)
-            for _ in rows
-        ]
+        return [build_module("pos_corr", *shape, seed=0) for _ in rows]
 
     def together() -> None:
         train_stacked(
@@ -387,10 +382,9 @@ def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) ->
     pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     view = settings.subprocess_view() | {"pad_id": pad}
     merged = shadow_model(pair.merged, workdir / "merged")
-    tasks = {}
-    for kind in settings.kinds:
-        tick(f"calibration: run_surgery, {kind}")
-        block = surgery_block(
+
+    def block_of(kind: str) -> dict[str, Any]:
+        return surgery_block(
             task="bench",
             target=pair.target,
             calibration=str(calib),
@@ -403,31 +397,23 @@ def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) ->
             batch_size=settings.batch_size,
             device=settings.device,
         )
-        tasks[kind] = run_isolated(
+
+    def timed(block: dict[str, Any]) -> dict[str, Any]:
+        return run_isolated(
             phase_pipeline, merged, block, settings.device, isolate=settings.isolate
         )
+
+    tasks = {}
+    for kind in settings.kinds:
+        tick(f"calibration: run_surgery, {kind}")
+        tasks[kind] = timed(block_of(kind))
     selections = {}
     for label, select in SELECTIONS.items():
         tick(f"calibration: run_surgery, select ({label})")
-        block = surgery_block(
-            task="bench",
-            target=pair.target,
-            calibration=str(calib),
-            module="pos_corr",
-            n=settings.n,
-            max_length=settings.max_length,
-            rank=settings.rank,
-            max_positions=settings.max_positions,
-            steps=settings.steps,
-            batch_size=settings.batch_size,
-            device=settings.device,
-        )
         if "folds" in select:  # the smoke test calibrates on fewer prompts than folds
             select = {**select, "folds": min(select["folds"], settings.n)}
-        block = {k: v for k, v in block.items() if k not in ("module", "loss")} | {"select": select}
-        selections[label] = run_isolated(
-            phase_pipeline, merged, block, settings.device, isolate=settings.isolate
-        )
+        chosen = {k: v for k, v in block_of("pos_corr").items() if k not in ("module", "loss")}
+        selections[label] = timed(chosen | {"select": select})
     tick("calibration: target capture memory, with entropy")
     with_entropy = run_isolated(
         phase_capture_memory,

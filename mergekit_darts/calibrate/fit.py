@@ -24,8 +24,8 @@ from mergekit_darts.calibrate.selection import (
     HeldOut,
     candidate_label,
     choose,
+    cross_fit_splits,
     cross_fitted_metrics,
-    fold_split,
     held_out_metrics,
     holdout_split,
 )
@@ -200,14 +200,10 @@ def judged_rows(task: ResolvedTask, n: int) -> torch.Tensor:
 
 def _splits(run: TaskRun) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(training rows, judged rows) per fit of a candidate: one per fold, or the one split."""
-    task, n = run.task, len(run.sequences)
+    task = run.task
     if not task.folds:
         return [(run.train_rows, run.held_rows)]
-    every = torch.arange(n)
-    return [
-        (every[~torch.isin(every, judged)], judged)
-        for judged in fold_split(n, task.folds, task.seed)
-    ]
+    return cross_fit_splits(len(run.sequences), task.folds, task.seed)
 
 
 def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule]:

@@ -74,6 +74,13 @@ def fold_split(n: int, folds: int, seed: int) -> list[torch.Tensor]:
     return [part.sort().values for part in torch.tensor_split(order, folds)]
 
 
+def cross_fit_splits(n: int, folds: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(training rows, judged rows) per fold of :func:`fold_split`: each fold is judged by the
+    module trained on every other row."""
+    every = torch.arange(n)
+    return [(every[~torch.isin(every, fold)], fold) for fold in fold_split(n, folds, seed)]
+
+
 def held_out_metrics(
     module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor
 ) -> HeldOut:

@@ -140,14 +140,12 @@ def signed_rank_test(
     0/1 outcomes every rank is equal and this is the sign test. ``better`` / ``worse``: prompts
     the candidate scores above / below ``none``; ``p`` is 1 with no difference.
     """
-    pairs = [
-        (a, b) for a, b in zip(candidate, none, strict=True) if a is not None and b is not None
-    ]
-    differences = np.array([a - b for a, b in pairs if a != b], dtype=np.float64)
+    paired = np.array(_differences(candidate, none), dtype=np.float64)
+    differences = paired[paired != 0]
     record = {
         "better": int((differences > 0).sum()),
         "worse": int((differences < 0).sum()),
-        "prompts": len(pairs),
+        "prompts": len(paired),
     }
     if not differences.size:
         return {**record, "statistic": 0.0, "p": 1.0}
@@ -309,6 +307,7 @@ def decide(
 
 
 def _differences(candidate: Sequence[float | None], none: Sequence[float | None]) -> list[float]:
+    """``candidate - none`` per prompt where both were measured."""
     return [a - b for a, b in zip(candidate, none, strict=True) if a is not None and b is not None]
 
 
