@@ -53,10 +53,7 @@ NO_CORRECTION = {"module": "none"}
 # the merge as it is, then the fixed variants above each `select` row, as its candidates: they
 # train on the same captures. These are the block's default candidates and the rest is the
 # default verdict too, so the `select` rows are what a block without module, loss or select gets.
-SELECT = {
-    "candidates": [NO_CORRECTION, STANDARD_L1, POS_CORR_L1, DARTS],
-    "holdout": 0.2,
-}
+SELECT = {"candidates": [NO_CORRECTION, STANDARD_L1, POS_CORR_L1, DARTS]}
 # the headline rows (paper Table 1 plus `select`; the routed row is added per merge by run.py)
 HEADLINE: tuple[Variant, ...] = (
     Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1),

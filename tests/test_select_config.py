@@ -81,7 +81,7 @@ BAD_SELECT = [
         "a dev split without metric lm_eval",
         change_block(select=select(dev={"split": "train"})),
         "surgery.select.dev: a development split is read by metric lm_eval only (now "
-        "completion_match); set metric: lm_eval or remove dev",
+        "completion_prefix); set metric: lm_eval or remove dev",
     ),
     (
         "dev indices and limit",
@@ -174,9 +174,8 @@ def test_task_values_win_over_the_block_and_candidates_inherit_the_task():
     a, b, c = resolve_tasks(config)
     assert (a.holdout, a.holdout_key) == (0.25, "surgery.select.holdout")
     assert (b.holdout, b.holdout_key) == (0.1, "surgery.tasks[1].holdout")
-    assert (
-        c.holdout == 0.2 and c.select.metric == "kl" and c.select_key == "surgery.tasks[2].select"
-    )
+    assert (c.holdout, c.folds) == (0, 5)  # its own select, no holdout: the default folds
+    assert c.select.metric == "kl" and c.select_key == "surgery.tasks[2].select"
     assert [(x.module, x.loss, x.rank) for x in a.candidates()] == [
         ("none", "l1", 4),  # the verdict's baseline, always a candidate
         ("standard", "l1", 4),

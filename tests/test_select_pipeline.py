@@ -114,7 +114,7 @@ def test_fixed_task_with_holdout_trains_without_the_held_out_prompts(
 
 
 def test_refit_off_keeps_the_candidate(tiny_family, calibration_data, merged_copy):
-    select = {"candidates": CANDIDATES[:2], "metric": "rho_l1", "refit": False}
+    select = {"candidates": CANDIDATES[:2], "metric": "rho_l1", "refit": False, "holdout": 0.2}
     manifest = run_surgery(
         merged_copy, _block(tiny_family, calibration_data, select=select), progress=False
     )
@@ -154,7 +154,8 @@ def test_logit_features_refuse_an_output_path_they_do_not_know(
     block["tasks"][0].pop("loss")
     block["tasks"][0]["select"] = {"candidates": CANDIDATES[:2], "metric": "rho_l1"}
     manifest = run_surgery(folders["merged"], block, progress=False)  # l1 / ewl1 by rho_L1: fine
-    assert manifest["tasks"]["math"]["held_out"]["all"]["agreement_after"] is None
+    candidates = manifest["tasks"]["math"]["selection"]["candidates"]
+    assert all(c["held_out"]["agreement"] is None for c in candidates)
 
 
 def test_selection_reads_heads_back_from_the_disk_store(
@@ -169,7 +170,9 @@ def test_selection_reads_heads_back_from_the_disk_store(
     second = run_surgery(merged, block, progress=False, overwrite=True)  # every capture from disk
     assert second["captures"]["from_disk"] == 2 and second["captures"]["model_loads"] == 0
     assert second["tasks"]["math"]["selection"] == first["tasks"]["math"]["selection"]
-    assert first["tasks"]["math"]["held_out"]["all"]["kl_after"] is not None
+    assert all(
+        c["held_out"]["kl"] is not None for c in first["tasks"]["math"]["selection"]["candidates"]
+    )
 
 
 def test_printed_summary_shows_every_candidate_and_the_kept_one(selected):

@@ -50,6 +50,7 @@ def verdict_run(tiny_family, calibration_data, tiny_merged, tmp_path_factory):
     select = {
         "candidates": [{"module": "pos_corr", "loss": "l1"}],
         "completion_tokens": TOKENS,
+        "metric": "completion_match",
         "holdout": 0.5,
         "alpha": 0.6,
         "refit": False,
@@ -278,7 +279,8 @@ def test_a_block_without_module_loss_or_select_runs_the_default_selection(
     block = {"tasks": [_task(tiny_family, calibration_data)]}
     (task,) = resolve_tasks(parse_surgery(block))
     assert task.select_default and task.verdict
-    assert task.select.metric == "completion_match" and task.holdout == 0.2
+    assert task.select.metric == "completion_prefix" and task.select.completion_tokens == 128
+    assert (task.folds, task.holdout) == (5, 0)
     assert [(c.module, c.loss) for c in task.candidates()] == [
         ("none", "ewl1"),
         ("standard", "l1"),
@@ -348,7 +350,9 @@ def test_the_default_selection_with_one_prompt_says_how_to_leave_it(
     with pytest.raises(SurgeryConfigError) as err:
         run_surgery(merged, {"tasks": [task]}, progress=False)
     message = str(err.value)
-    assert message.startswith("surgery.select.holdout: 0.2 of 1 prompt(s) holds out 1")
+    assert message.startswith(
+        "surgery.select.folds: 5 folds need at least 5 calibration prompts, and task 'math' has 1"
+    )
     assert "`select: off` trains one module on every prompt" in message and "\n" not in message
     assert not (merged / "surgery").exists()
 

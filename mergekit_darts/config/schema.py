@@ -147,10 +147,10 @@ DEFAULT_HOLDOUT = 0.2  # the held-out share of a selection that holds one out in
 class SelectConfig(StrictBlock):
     """Train every candidate on the prompts not judged; keep the best on the judged ones.
 
-    ``folds`` cross-fits: the prompts are split into that many folds, each candidate is trained
-    once per fold on the other folds and judged on it, so every prompt is judged once. Else a
-    ``holdout`` share (here, on the task or, for the default selection, on the block; default
-    :data:`DEFAULT_HOLDOUT`) judges. With a ``completion_*`` metric (the default) the judged prompts are
+    ``folds`` (the default) cross-fits: the prompts are split into that many folds, each
+    candidate is trained once per fold on the other folds and judged on it, so every prompt is
+    judged once. A ``holdout`` share (here, on the task or, for the default selection, on the
+    block; ``folds: null`` alone: :data:`DEFAULT_HOLDOUT`) judges instead. With a ``completion_*`` metric (the default) the judged prompts are
     completed by the target, ``{module: none}`` is always a candidate, and a correction is kept
     only when a one-sided signed-rank test over those prompts says it beats ``none``
     (calibrate.verdict).
@@ -158,9 +158,9 @@ class SelectConfig(StrictBlock):
 
     candidates: list[Candidate] = Field(default_factory=_default_candidates, min_length=1)
     holdout: Fraction | None = None  # one held-out share instead of folds (default share: 0.2)
-    folds: Annotated[StrictInt, Field(ge=2)] | None = None
-    metric: SelectMetric = "completion_match"
-    completion_tokens: PositiveInt = 32  # the target's greedy completion of a judged prompt
+    folds: Annotated[StrictInt, Field(ge=2)] | None = 5
+    metric: SelectMetric = "completion_prefix"
+    completion_tokens: PositiveInt = 128  # the target's greedy completion of a judged prompt
     alpha: Fraction = 0.05  # family-wise level of the tests against none (Bonferroni)
     refit: StrictBool = True  # retrain the chosen settings on every prompt before saving
     dev: DevSplit | None = None  # metric lm_eval: the lm-eval documents that judge
