@@ -24,9 +24,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import yaml
 from matplotlib.figure import Figure
 
-from demo.configs import DARTS, STANDARD_L1, VARIANTS, surgery_task
+from demo.configs import DARTS, STANDARD_L1, VARIANTS, lm_eval_task, surgery_task
 from demo.domains import DOMAIN_NAMES
 from demo.family_io import FamilyPaths
 from mergekit_darts.analysis.plots import as_array, position_mean
@@ -48,11 +49,10 @@ from mergekit_darts.fs import atomic_file, write_text
 from mergekit_darts.manifest import Manifest, surgery_dir
 
 # Declared before any number was seen: the paper compares positions 0-50 with 100-256; the long
-# family's sequences end near 130, so early is the first 32 positions of the sequence and late
+# family's sequences end near 130-170, so early is the first 32 positions of the sequence and late
 # every position from 100 on (sequence positions, the position table's index).
 EARLY_POSITIONS = 32
 LATE_FROM = 100
-POSITIONS = 128  # sequences are prompt + completion, cut to this many tokens
 BEFORE = "before surgery"
 SUFFIXES = ("png", "json", "md")  # the files position_figures writes per merge
 
@@ -96,6 +96,18 @@ def table_length(position_bias: torch.Tensor) -> int:
     return int(rows[-1]) + 1 if rows.size else 0
 
 
+def generation_limit(family: FamilyPaths, domain: str) -> int:
+    """``max_gen_toks`` of the domain's lm-eval task file (demo.family_io writes it)."""
+    path = family.tasks / f"{lm_eval_task(domain)}.yaml"
+    try:
+        return int(yaml.safe_load(path.read_text())["generation_kwargs"]["max_gen_toks"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as err:
+        raise ReportError(
+            f"cannot read the evaluation's generation limit from {path} ({type(err).__name__}): "
+            "build the family with demo.run, or pass max_new_tokens"
+        ) from None
+
+
 def _tasks(manifest: Manifest, domain: str, cont_suffix: str) -> dict[str, str]:
     """Curve label -> task name for one domain; the +completions task only when present."""
     suffixes = {**CURVES, "DARTS +completions": cont_suffix}
@@ -118,7 +130,7 @@ def position_bias(
     *,
     split: Literal["eval", "calib"] = "eval",
     num_samples: int = CalibrationConfig.model_fields["num_samples"].default,
-    positions: int = POSITIONS,
+    max_new_tokens: int | None = None,
     cont_suffix: str = CONT_SUFFIX,
     batch_size: int = default("batch_size"),
     device: str = "cpu",
@@ -128,8 +140,9 @@ def position_bias(
 
     ``split``: the domain's evaluation items (held out from every module: the default) or its
     calibration prompts. Each sequence is the prompt followed by the target expert's greedy
-    completion, cut at ``positions`` tokens; the expert stops at its end-of-turn, so late
-    positions average the samples that reach them. One model in memory at a time: each expert
+    completion of up to ``max_new_tokens`` tokens (default: the family's evaluation limit, from
+    its lm-eval task files), the whole answer as the evaluation generates it; the expert stops at
+    its end-of-turn, so late positions average the samples that reach them. One model in memory at a time: each expert
     (generate, capture), then the merged model once.
     """
     folder = surgery_dir(merged)
@@ -146,6 +159,7 @@ def position_bias(
         ).texts
         for d in DOMAIN_NAMES
     }
+    limits = {d: max_new_tokens or generation_limit(family, d) for d in DOMAIN_NAMES}
     modules = {
         d: {c: load_surgery(folder, t, weights=merged) for c, t in ts.items()}
         for d, ts in tasks.items()
@@ -158,7 +172,7 @@ def position_bias(
         prompts = tokenize_prompts(
             tokenizer,
             texts[domain],
-            max_length=min(cal["max_length"], positions),
+            max_length=cal["max_length"],
             chat_template=cal["chat_template"],
             key=f"position study {domain}",
         )
@@ -166,18 +180,15 @@ def position_bias(
         answers = greedy_completions(
             model,
             prompts,
-            max_new_tokens=max(1, positions - min(len(p) for p in prompts)),
+            max_new_tokens=limits[domain],
             eos_ids=eos_token_ids(model, tokenizer),
             pad_id=runtime.pad_id,
             batch_size=batch_size,
             progress=progress,
             desc=f"{domain}: expert answers",
         )
-        sequences[domain] = [(p + a)[:positions] for p, a in zip(prompts, answers, strict=True)]
-        completions[domain] = completion_mask(
-            [len(p) for p in prompts],
-            [len(s) - len(p) for p, s in zip(prompts, sequences[domain], strict=True)],
-        )
+        sequences[domain] = [p + a for p, a in zip(prompts, answers, strict=True)]
+        completions[domain] = completion_mask([len(p) for p in prompts], [len(a) for a in answers])
         targets[domain] = _capture(
             model, sequences[domain], runtime, batch_size, f"{domain}: expert"
         )
@@ -315,30 +326,62 @@ def markdown(summary: dict[str, Any], title: str) -> str:
 # --- figure -------------------------------------------------------------------------------------
 
 
+def answer_aligned(
+    values: np.ndarray, bias: DomainBias
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean of ``values`` [N, T] by offset from each sample's first answer token (negative: its
+    prompt), and the samples at each offset: what the answer adds, apart from how far it sits."""
+    lengths = bias.mask.sum(axis=1)
+    starts = [
+        int(np.argmax(row)) if row.any() else int(n)
+        for row, n in zip(bias.completion, lengths, strict=True)
+    ]
+    first, last = -max(starts), int(max(n - s for n, s in zip(lengths, starts, strict=True)))
+    shifted = np.full((len(starts), last - first), np.nan)
+    for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+        shifted[row, -start - first : n - start - first] = values[row, :n]
+    mean, counts = position_mean(np.nan_to_num(shifted), ~np.isnan(shifted))
+    return np.arange(first, last), mean, counts
+
+
 def plot_position_bias(study: dict[str, DomainBias], path: Path, title: str) -> Path:
-    """One panel per domain: mean δ_t by position for each curve, the samples reaching each
-    position (grey bars, right axis) and a dotted line where each position table ends."""
-    fig = Figure(figsize=(5.5 * len(study), 4.2))
-    axes = np.atleast_1d(fig.subplots(1, len(study), sharey=True))
-    for ax, (domain, bias) in zip(axes, study.items(), strict=True):
+    """One column per domain. Top: mean δ_t by sequence position for each curve, the samples
+    reaching each position (grey bars, right axis) and a dotted line where each position table
+    ends. Bottom: the same curves by offset from the first answer token."""
+    fig = Figure(figsize=(5.5 * len(study), 8))
+    axes = fig.subplots(2, len(study), sharey=True, squeeze=False)
+    for column, (domain, bias) in enumerate(study.items()):
+        top, bottom = axes[0, column], axes[1, column]
         x = np.arange(bias.mask.shape[1])
-        twin = ax.twinx()
-        twin.bar(x, bias.mask.sum(axis=0), color="#cccccc", alpha=0.4, width=1.0)
-        twin.set_ylabel("samples at position")
-        ax.set_zorder(twin.get_zorder() + 1)
-        ax.patch.set_visible(False)
+        _counts(top, x, bias.mask.sum(axis=0))
         for label, delta in bias.delta.items():
             mean, _ = position_mean(delta, bias.mask)
-            ax.plot(x, mean, label=label, color=COLOURS[label])
+            top.plot(x, mean, label=label, color=COLOURS[label])
+            offsets, aligned, counts = answer_aligned(delta, bias)
+            bottom.plot(offsets, aligned, label=label, color=COLOURS[label])
+        _counts(bottom, offsets, counts)
         for label, length in bias.table_length.items():
-            ax.axvline(length, color=COLOURS[label], linestyle=":", label=f"{label} table ends")
-        ax.set_title(f"{title}, {domain}")
-        ax.set_xlabel("token position (prompt + expert's answer)")
-    axes[0].set_ylabel("mean δ_t = ‖h − h*‖₁ / H")
-    axes[0].legend(loc="upper left", fontsize="small")
+            top.axvline(length, color=COLOURS[label], linestyle=":", label=f"{label} table ends")
+        bottom.axvline(0, color="k", linewidth=0.8)
+        top.set_title(f"{title}, {domain}")
+        top.set_xlabel("token position (prompt + expert's answer)")
+        bottom.set_xlabel("tokens after the answer's start (negative: prompt)")
+    for row in axes:
+        row[0].set_ylabel("mean δ_t = ‖h − h*‖₁ / H")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=3, bbox_to_anchor=(0.5, 0.0))
     with atomic_file(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     return path
+
+
+def _counts(ax: Any, x: np.ndarray, counts: np.ndarray) -> None:
+    """Grey bars of the samples at each x on a right axis, drawn behind ``ax``'s curves."""
+    twin = ax.twinx()
+    twin.bar(x, counts, color="#cccccc", alpha=0.4, width=1.0)
+    twin.set_ylabel("samples")
+    ax.set_zorder(twin.get_zorder() + 1)
+    ax.patch.set_visible(False)
 
 
 def position_figures(out: Path, merged: Path, family: FamilyPaths, **study: Any) -> list[Path]:

@@ -16,17 +16,19 @@ from transformers import LlamaForCausalLM
 
 from demo.configs import VARIANTS, merge_config
 from demo.domains import DOMAIN_NAMES
-from demo.family_io import family_paths
+from demo.family_io import family_paths, write_tasks
 from demo.position_study import (
     BEFORE,
     DomainBias,
+    answer_aligned,
     position_bias,
     position_figures,
     summarize,
 )
 from mergekit_darts.errors import DartsError
 
-POSITIONS = 60  # past the DARTS table (prompts, 14 tokens at most) and the +completions one (+32)
+LIMIT = 46  # answer tokens: past the DARTS table (prompts, 14 tokens at most) and the
+# +completions one (prompt + 32)
 CURVE_TASKS = {"Standard + L1": "_std", "DARTS": "", "DARTS +completions": "_cont"}
 EOS = 3  # tiny.tiny_config's eos_token_id
 
@@ -44,6 +46,7 @@ def family(tiny_family, tmp_path_factory: pytest.TempPathFactory):
         paths.experts[name].parent.mkdir(parents=True, exist_ok=True)
         paths.experts[name].symlink_to(getattr(tiny_family, name))
     paths.data.mkdir()
+    write_tasks(paths, "</s>", LIMIT)  # the evaluation's generation limit: the study's default
     for i, domain in enumerate(DOMAIN_NAMES):
         calib = PROMPTS[i : i + 6]
         held_out = [p for p in PROMPTS if p not in calib][:5]
@@ -68,7 +71,7 @@ def merged(family, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def study(merged, family) -> dict[str, DomainBias]:
-    return position_bias(merged, family, positions=POSITIONS, num_samples=5)
+    return position_bias(merged, family, num_samples=5)
 
 
 def _hidden(folder: Path, ids: list[int]) -> torch.Tensor:
@@ -104,11 +107,11 @@ def test_sequences_are_each_prompt_then_the_experts_greedy_answer(study, family,
             prompt = tokenizer(text)["input_ids"]
             assert ids[: len(prompt)] == prompt
             answer = ids[len(prompt) :]
-            assert answer and EOS not in answer and len(ids) <= POSITIONS
+            assert answer and EOS not in answer and len(answer) <= LIMIT
             logits = _logits(family.experts[domain], ids)
             # each answer token is the expert's argmax after the tokens before it
             assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == answer
-            if len(ids) < POSITIONS:  # the expert stopped: its next token is the end
+            if len(answer) < LIMIT:  # the expert stopped: its next token is the end
                 assert int(logits[-1].argmax()) == EOS
             assert bias.mask[row].sum() == len(ids)
             assert bias.completion[row].tolist() == [
@@ -137,7 +140,7 @@ def test_delta_before_and_after_each_module_match_a_float64_reference(study, fam
                     strict=True,
                 )
             )
-            assert bias.table_length[label] == reach < POSITIONS
+            assert bias.table_length[label] == reach < max(map(len, bias.sequences))
             table = tensors[label]["position_bias"]
             assert torch.count_nonzero(table[reach:]) == 0 and table[reach - 1].abs().sum() > 0
         assert set(bias.table_length) == {"DARTS", "DARTS +completions"}
@@ -194,6 +197,23 @@ def test_summary_means_match_the_per_token_values(study):
         rho = 1 - sum(after[r, t] for r, t in past) / sum(before[r, t] for r, t in past)
         cont = numbers["curves"]["DARTS +completions"]["rho_l1_past_darts_table"]
         assert cont == pytest.approx(rho, rel=1e-6)
+
+
+def test_answer_aligned_means_match_the_per_token_values(study):
+    for bias in study.values():
+        delta = bias.delta[BEFORE]
+        offsets, mean, counts = answer_aligned(delta, bias)
+        by_offset: dict[int, list[float]] = {}
+        for r, ids in enumerate(bias.sequences):
+            start = int(bias.completion[r].tolist().index(True))
+            for t in range(len(ids)):
+                by_offset.setdefault(t - start, []).append(float(delta[r, t]))
+        assert offsets.tolist() == list(range(min(by_offset), max(by_offset) + 1))
+        for i, offset in enumerate(offsets.tolist()):
+            values = by_offset.get(offset, [])
+            assert counts[i] == len(values)
+            if values:
+                assert mean[i] == pytest.approx(sum(values) / len(values), rel=1e-9)
 
 
 def test_position_figures_writes_the_plot_and_summary(study, family, merged, tmp_path, monkeypatch):
