@@ -142,8 +142,10 @@ def position_bias(
     calibration prompts. Each sequence is the prompt followed by the target expert's greedy
     completion of up to ``max_new_tokens`` tokens (default: the family's evaluation limit, from
     its lm-eval task files), the whole answer as the evaluation generates it; the expert stops at
-    its end-of-turn, so late positions average the samples that reach them. One model in memory at a time: each expert
-    (generate, capture), then the merged model once.
+    its end-of-turn, so late positions average the samples that reach them. ``cont_suffix``
+    names the DARTS task calibrated on completions, drawn when the merge has it. One model in
+    memory at a time: each expert (generate, capture), then the merged model once. Every input
+    is checked (tasks, prompt files, generation limits, modules) before a model loads.
     """
     folder = surgery_dir(merged)
     manifest = read_manifest(folder)
@@ -159,7 +161,10 @@ def position_bias(
         ).texts
         for d in DOMAIN_NAMES
     }
-    limits = {d: max_new_tokens or generation_limit(family, d) for d in DOMAIN_NAMES}
+    limits = {
+        d: generation_limit(family, d) if max_new_tokens is None else max_new_tokens
+        for d in DOMAIN_NAMES
+    }
     modules = {
         d: {c: load_surgery(folder, t, weights=merged) for c, t in ts.items()}
         for d, ts in tasks.items()
