@@ -88,11 +88,13 @@ def add_deltas(rows: Sequence[Row]) -> None:
         if row.kind != "surgery":
             continue
         ref = none[row.group]
-        ci = paired_bootstrap(_diffs(row, row.evaluation, ref), BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED)
+        ci = paired_bootstrap(
+            item_differences(row.evaluation, ref), BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED
+        )
         row.delta_vs_none = {"mean": ci.mean, "ci95": [ci.low, ci.high]}
         if len(row.seeds) < 2:
             continue
-        by_seed = {s: _diffs(row, e, ref) for s, e in row.seeds.items()}
+        by_seed = {s: item_differences(e, ref) for s, e in row.seeds.items()}
         two = seeded_bootstrap(by_seed, BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED)
         spread = list(two.per_seed.values())
         row.delta_over_seeds = {
@@ -105,13 +107,13 @@ def add_deltas(rows: Sequence[Row]) -> None:
         }
 
 
-def _diffs(row: Row, evaluation: Evaluation, ref: Evaluation) -> dict[str, list[float]]:
-    """Per-item exact-match differences (points) of `evaluation` against no surgery."""
+def item_differences(evaluation: Evaluation, ref: Evaluation) -> dict[str, list[float]]:
+    """Per-item exact-match differences (points) of `evaluation` against `ref`, per domain."""
     diffs = {}
     for d in DOMAIN_NAMES:
         a, b = evaluation.items[d], ref.items[d]
         if len(a) != len(b):
-            raise ValueError(f"{row.group} / {row.label}: {d} has {len(a)} items, none {len(b)}")
+            raise ValueError(f"{d} has {len(a)} items here and {len(b)} in the reference")
         diffs[d] = [100.0 * (x - y) for x, y in zip(a, b, strict=True)]
     return diffs
 
@@ -152,7 +154,7 @@ def markdown_table(rows: Sequence[Row]) -> str:
             low, high = shown_delta["ci95"]
             mark = " *" if significant(shown_delta) else ""
             mean = shown_delta["mean"]
-            delta = f"{_points(mean)} [{_points(low)}, {_points(high)}]{mark}"
+            delta = f"{signed_points(mean)} [{signed_points(low)}, {signed_points(high)}]{mark}"
         cells = [
             shown,
             row.label,
@@ -163,7 +165,7 @@ def markdown_table(rows: Sequence[Row]) -> str:
         ]
         if seeds > 1:
             per_seed = (row.delta_over_seeds or {}).get("by_seed", {})
-            cells.insert(-1, " / ".join(_points(v) for v in per_seed.values()))
+            cells.insert(-1, " / ".join(signed_points(v) for v in per_seed.values()))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -182,7 +184,7 @@ def shift_table(shifts: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _points(value: float) -> str:
+def signed_points(value: float) -> str:
     """Signed, one decimal, and never "-0.0"."""
     text = f"{value:+.1f}"
     return "+0.0" if text == "-0.0" else text

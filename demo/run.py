@@ -52,6 +52,8 @@ from demo.report import (
     shift_table,
     summary,
 )
+from demo.verdict_cells import cells as verdict_cells
+from demo.verdict_cells import markdown as verdict_markdown
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.manifest import Manifest, surgery_dir
 
@@ -167,7 +169,7 @@ def _surgery_run(
 ) -> tuple[Path, Manifest, str]:
     """One `mergekit-yaml` run of `method` whose block trains with `surgery_seed` (the merge
     itself keeps the family seed): its folder, manifest and cache key."""
-    name = method if surgery_seed == 0 else f"{method}_seed{surgery_seed}"
+    name = merge_name(method, surgery_seed)
     config = merge_config(
         method,
         family.base,
@@ -189,6 +191,24 @@ def _surgery_run(
     )
     key = (merged.with_name(merged.name + ".done")).read_text()
     return merged, read_manifest(surgery_dir(merged)), key
+
+
+def merge_name(method: str, surgery_seed: int) -> str:
+    """The folder (under out/merges) and config name of one `mergekit-yaml` run."""
+    return method if surgery_seed == 0 else f"{method}_seed{surgery_seed}"
+
+
+def _verdict_cells(settings: DemoSettings, rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """The default verdict per (merge, domain) cell, against its best fixed candidate."""
+    manifests = {
+        method: [
+            read_manifest(surgery_dir(settings.out / "merges" / merge_name(method, s)))
+            for s in range(settings.surgery_seeds)
+        ]
+        for method in settings.methods
+    }
+    shown = [v for v in variants(settings.full) if v.selects]
+    return verdict_cells(rows, shown, manifests)
 
 
 def _mean(values: list[dict[str, float]]) -> dict[str, float]:
@@ -259,6 +279,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         rows += merged
         points += evidence
     add_deltas(rows)
+    cells = _verdict_cells(settings, rows)
     figures = bias_figures(settings, settings.methods[0])
     table = markdown_table(rows) + "\n\n" + shift_table(shifts)
     regime_numbers = regime(rows)
@@ -278,6 +299,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         "regime": regime_numbers,
         "generic_text_shift": shifts,
         "figures": [str(p) for p in figures],
+        "verdict_cells": cells,
     }
     if settings.full:
         results.update(_held_out_study(settings, rows, points))
@@ -288,6 +310,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     results["cpu_seconds"] = round(cpu, 1)
     (settings.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (settings.out / "table.md").write_text(table + "\n")
+    (settings.out / "verdict.md").write_text(verdict_markdown({settings.scale: cells}) + "\n")
     print(table)  # plain print: rich would wrap the table's long lines
     print(summary(rows, regime_numbers))
     console.print(

@@ -103,6 +103,20 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
             assert (surgery / f"{domain}{variant.suffix}.safetensors").read_bytes() == (
                 surgery / f"{domain}{fixed.suffix}.safetensors"
             ).read_bytes()
+    # the verdict's evidence: one cell per domain, what the default kept on each surgery seed
+    cells = results["verdict_cells"]
+    assert [(c["merge"], c["domain"]) for c in cells] == [
+        ("task_arithmetic", d) for d in DOMAIN_NAMES
+    ]
+    for cell in cells:
+        for seed, kept in enumerate(cell["kept"]):
+            name = "task_arithmetic" if seed == 0 else f"task_arithmetic_seed{seed}"
+            entry = json.loads((out / f"merges/{name}/surgery/manifest.json").read_text())
+            selection = entry["tasks"][cell["domain"] + "_select"]["selection"]
+            chosen = selection["candidates"][selection["chosen"]]
+            assert (kept == "none") == (chosen["module"] == "none")
+    verdict_md = (out / "verdict.md").read_text()
+    assert verdict_md.count("| tiny | task_arithmetic | prompts |") == len(DOMAIN_NAMES)
     assert not (out / "selection.md").exists()  # the held-out study is --full only
     # a second run is served from the caches and gives the same table
     again = run_demo(settings)

@@ -141,6 +141,7 @@ class DevSplit(StrictBlock):
     include_path: str | None = None
 
 
+DEFAULT_FOLDS = 5  # cross-fitting's folds: every calibration prompt is judged once
 DEFAULT_HOLDOUT = 0.2  # the held-out share of a selection that holds one out instead of folds
 
 
@@ -150,15 +151,15 @@ class SelectConfig(StrictBlock):
     ``folds`` (the default) cross-fits: the prompts are split into that many folds, each
     candidate is trained once per fold on the other folds and judged on it, so every prompt is
     judged once. A ``holdout`` share (here, on the task or, for the default selection, on the
-    block; ``folds: null`` alone: :data:`DEFAULT_HOLDOUT`) judges instead. With a ``completion_*`` metric (the default) the judged prompts are
-    completed by the target, ``{module: none}`` is always a candidate, and a correction is kept
-    only when a one-sided signed-rank test over those prompts says it beats ``none``
-    (calibrate.verdict).
+    block; ``folds: null`` alone: :data:`DEFAULT_HOLDOUT`) judges instead. With a
+    ``completion_*`` metric (the default) the judged prompts are completed by the target,
+    ``{module: none}`` is always a candidate, and a correction is kept only when a one-sided
+    signed-rank test over those prompts says it beats ``none`` (calibrate.verdict).
     """
 
     candidates: list[Candidate] = Field(default_factory=_default_candidates, min_length=1)
-    holdout: Fraction | None = None  # one held-out share instead of folds (default share: 0.2)
-    folds: Annotated[StrictInt, Field(ge=2)] | None = 5
+    holdout: Fraction | None = None  # one held-out share instead of folds
+    folds: Annotated[StrictInt, Field(ge=2)] | None = DEFAULT_FOLDS
     metric: SelectMetric = "completion_prefix"
     completion_tokens: PositiveInt = 128  # the target's greedy completion of a judged prompt
     alpha: Fraction = 0.05  # family-wise level of the tests against none (Bonferroni)
