@@ -47,6 +47,8 @@ from demo.report import (
     INDIVIDUAL,
     Row,
     add_deltas,
+    add_long_deltas,
+    long_table,
     markdown_table,
     regime,
     shift_table,
@@ -116,7 +118,7 @@ def merged_rows(
     row once per surgery seed; the logit shift on generic text; the held-out evidence (full).
     Both come from the first seed."""
     background, measured = write_generic_prompts(settings.out / "data", settings.seed)
-    shown = variants(settings.full)
+    shown = variants(settings.full, settings.scale)
     runs = [
         _surgery_run(settings, family, method, shown, background, s)
         for s in range(settings.surgery_seeds)
@@ -259,8 +261,12 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         rows += merged
         points += evidence
     add_deltas(rows)
+    tables = [markdown_table(rows)]
+    if settings.long_answers:
+        add_long_deltas(rows)
+        tables.append(long_table(rows))
     figures = bias_figures(settings, settings.methods[0])
-    table = markdown_table(rows) + "\n\n" + shift_table(shifts)
+    table = "\n\n".join([*tables, shift_table(shifts)])
     regime_numbers = regime(rows)
     results: dict[str, Any] = {
         "settings": {
@@ -332,7 +338,7 @@ def _held_out_study(
     select_scores = {
         (row.group, "completions" if v.continuation_tokens else "prompts"): row.scores
         for row in rows
-        for v in variants(full=True)
+        for v in variants(True, settings.scale)
         if v.selects and row.label == v.label
     }
     outcomes = selection_outcomes(points, select_scores)
