@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo demo-real demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm test-real test-lowest test-newest
+.PHONY: install demo demo-real demo-long demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm test-real test-lowest test-newest
 
 $(STAMP): pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.pth
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ demo: install
 ## arithmetic and TIES; table in runs/demo-real/ (docs/real-model.md).
 demo-real: install
 	$(BIN)/python -m demo --scale real --out runs/demo-real --method task_arithmetic --method ties $(DEMO_ARGS)
+
+## The same job on the long-answer SmolLM2 family (answers of 50-66 tokens, demo/long_domains.py):
+## paper Table 10's grid ({L1, EWL1} x {standard, pos_corr}), DARTS calibrated on the target's whole
+## answers, the default and routed rows; exact match and per-token accuracy, each against no surgery
+## and against Standard + L1; task arithmetic and TIES; table in runs/demo-long/ (docs/demo.md).
+demo-long: install
+	$(BIN)/python -m demo --scale long --out runs/demo-long --method task_arithmetic --method ties $(DEMO_ARGS)
 
 ## `make demo` from scratch under four shell environments (pins already set; ATEN default + MKL
 ## COMPATIBLE + 2 threads; AVX-512 + MKL AUTO + 2 threads; `env -i`): table.md must be identical.

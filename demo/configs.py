@@ -6,7 +6,9 @@ over no correction, Standard + L1, pos_corr + L1 and DARTS (calibrate.verdict); 
 `code_pos_l1` = pos_corr + L1
 and `_cont` = calibrated on the target's own completions), plus a `route:` over the three DARTS
 tasks (generic text as background), so a single stock `mergekit-yaml` run per method produces
-all of them.
+all of them. The long scale's rows are paper Table 10's grid instead (`long_rows`: also
+`code_std_ewl1` = Standard + EWL1 and `code_cont_answer` = DARTS calibrated on the target's
+whole answers).
 Paths are written relative to the working directory, the way mergekit resolves `model:`.
 """
 
@@ -47,6 +49,7 @@ class Variant:
 
 CONTINUATION_TOKENS = 32
 STANDARD_L1 = {"module": "standard", "loss": "l1"}
+STANDARD_EWL1 = {"module": "standard", "loss": "ewl1"}
 POS_CORR_L1 = {"module": "pos_corr", "loss": "l1"}
 DARTS = {"module": "pos_corr", "loss": "ewl1"}
 NO_CORRECTION = {"module": "none"}
@@ -54,32 +57,59 @@ NO_CORRECTION = {"module": "none"}
 # train on the same captures. These are the block's default candidates and the rest is the
 # default verdict too, so the `select` rows are what a block without module, loss or select gets.
 SELECT = {"candidates": [NO_CORRECTION, STANDARD_L1, POS_CORR_L1, DARTS]}
-# the headline rows (paper Table 1 plus `select`; the routed row is added per merge by run.py)
-HEADLINE: tuple[Variant, ...] = (
-    Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1),
-    Variant("DARTS (pos_corr + EWL1)", "", DARTS),
-    Variant(
-        "select (none, Standard + L1, pos_corr + L1, DARTS; held-out verdict: the default)",
-        "_select",
-        {"select": SELECT},
-    ),
+STANDARD_L1_ROW = Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1)
+DARTS_ROW = Variant("DARTS (pos_corr + EWL1)", "", DARTS)
+SELECT_ROW = Variant(
+    "select (none, Standard + L1, pos_corr + L1, DARTS; held-out verdict: the default)",
+    "_select",
+    {"select": SELECT},
 )
+POS_CORR_L1_ROW = Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", POS_CORR_L1)
+STANDARD_EWL1_ROW = Variant(
+    "Standard + EWL1 (ablation, paper Table 10)", "_std_ewl1", STANDARD_EWL1
+)
+# the headline rows (paper Table 1 plus `select`; the routed row is added per merge by run.py)
+HEADLINE: tuple[Variant, ...] = (STANDARD_L1_ROW, DARTS_ROW, SELECT_ROW)
 ROUTED_LABEL = "routed DARTS (no task id)"
 BACKGROUND_SAMPLES = 50  # generic prompts the router learns to leave uncorrected
 # `--full`: the ablations (paper Table 10) and generation-aware calibration
 ABLATIONS: tuple[Variant, ...] = (
-    Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1", POS_CORR_L1),
+    POS_CORR_L1_ROW,
     Variant("Standard + L1, +completions", "_std_cont", STANDARD_L1, CONTINUATION_TOKENS),
     Variant("pos_corr + L1, +completions", "_pos_l1_cont", POS_CORR_L1, CONTINUATION_TOKENS),
     Variant("DARTS, +completions", "_cont", DARTS, CONTINUATION_TOKENS),
     Variant("select, +completions", "_select_cont", {"select": SELECT}, CONTINUATION_TOKENS),
 )
 VARIANTS: tuple[Variant, ...] = HEADLINE + ABLATIONS
+LONG = "long"  # the `--scale` of long answers: its rows are paper Table 10's grid
+# DARTS calibrated on the target's whole answers (the long scale's generation limit)
+WHOLE_ANSWER_SUFFIX = "_cont_answer"
 
 
-def variants(full: bool) -> tuple[Variant, ...]:
-    """The surgery rows of one merge: the headline, plus the ablations with `full`."""
-    return VARIANTS if full else HEADLINE
+def long_rows(generation_limit: int) -> tuple[Variant, ...]:
+    """Paper Table 10 on long answers: {L1, EWL1} x {standard, pos_corr}, DARTS calibrated on
+    the target's completions as long as the evaluation lets it generate (its whole answer), and
+    the default (`select`)."""
+    whole = Variant(
+        f"DARTS, +completions ({generation_limit} tokens: the whole answer)",
+        WHOLE_ANSWER_SUFFIX,
+        DARTS,
+        generation_limit,
+    )
+    return (STANDARD_L1_ROW, STANDARD_EWL1_ROW, POS_CORR_L1_ROW, DARTS_ROW, whole, SELECT_ROW)
+
+
+def variants(full: bool, scale: str = "full") -> tuple[Variant, ...]:
+    """The surgery rows of one merge of `scale`: the headline, plus the ablations with `full`;
+    the long scale's are its Table 10 grid (and with `full` the ablations it lacks)."""
+    if scale != LONG:
+        return VARIANTS if full else HEADLINE
+    from demo.real_family import SCALES  # torch: only where the long rows are asked for
+
+    grid = long_rows(SCALES[LONG].max_gen_toks)
+    if not full:
+        return grid
+    return grid + tuple(v for v in ABLATIONS if v not in grid)
 
 
 def fixed_variant(candidate: dict[str, Any], continuation_tokens: int) -> Variant:

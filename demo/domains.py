@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 NOUNS = [
@@ -167,13 +167,21 @@ def make_splits(
     generators: Mapping[str, Generator] = DOMAINS,
 ) -> Splits:
     """Seeded, duplicate-free calibration and evaluation items, disjoint by prompt."""
-    rng = random.Random(f"darts-demo:{domain}:{seed}:held-out")
-    items = _unique(generators[domain](rng) for _ in itertools.count())
+    items = held_out_items(domain, seed, generators)
     chosen = [next(items) for _ in range(n_calib + n_eval)]
     return Splits(calib=tuple(chosen[:n_calib]), eval=tuple(chosen[n_calib:]))
 
 
-def _unique(examples: Iterable[Example]) -> Iterable[Example]:
+def held_out_items(
+    domain: str, seed: int, generators: Mapping[str, Generator] = DOMAINS
+) -> Iterator[Example]:
+    """The seeded, duplicate-free stream the held-out splits are drawn from, in order: a family
+    that rejects an evaluation item draws its replacement from here too."""
+    rng = random.Random(f"darts-demo:{domain}:{seed}:held-out")
+    return _unique(generators[domain](rng) for _ in itertools.count())
+
+
+def _unique(examples: Iterable[Example]) -> Iterator[Example]:
     """Drop examples whose prompt was already produced."""
     seen: set[str] = set()
     for ex in examples:

@@ -1,19 +1,23 @@
-"""lm-eval runs of the demo, cached, with each item's correctness kept for paired comparisons."""
+"""lm-eval runs of the demo, cached, with each item's correctness kept for paired comparisons
+(and, on the long scale, each item's per-token accuracy)."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from demo.configs import METHODS, lm_eval_task
+from demo.configs import LONG, METHODS, lm_eval_task
 from demo.domains import DOMAIN_NAMES
-from demo.family_io import FamilyPaths
+from demo.family_io import IGNORED_PATTERNS, FamilyPaths
 
 console = Console()
 
@@ -31,17 +35,30 @@ class DemoSettings:
     full: bool = False  # ablation rows and the held-out-metric study too
     surgery_seeds: int = 1  # surgery seeds 0..n-1 per surgery row (the CLI's default is 3)
 
+    @property
+    def long_answers(self) -> bool:
+        """The long scale: answers of 50+ tokens, where exact match says little about how much
+        of an answer a merge keeps, so its table adds per-token accuracy and Δ vs Standard + L1."""
+        return self.scale == LONG
+
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Exact match (%) per domain and each item's correctness (by lm-eval doc_id), for pairing."""
+    """Exact match (%) per domain and each item's correctness (by lm-eval doc_id), for pairing;
+    on the long scale also each item's per-token accuracy (0-1, same order; empty elsewhere)."""
 
     scores: dict[str, float]
     items: dict[str, list[int]]
+    tokens: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def n_items(self) -> dict[str, int]:
         return {d: len(v) for d, v in self.items.items()}
+
+    @property
+    def token_scores(self) -> dict[str, float]:
+        """Per-token accuracy (%) per domain: the mean over items."""
+        return {d: 100 * statistics.fmean(v) for d, v in self.tokens.items()}
 
 
 def digest(payload: Any) -> str:
@@ -57,12 +74,15 @@ def evaluate(
     model_args: str,
     cache_key: Any,
 ) -> Evaluation:
-    """Exact match per domain through lm-eval (in-process: same code path as `lm_eval`)."""
+    """Exact match per domain through lm-eval (in-process: same code path as `lm_eval`), and
+    per-token accuracy on the long scale (a cached run without it is run again)."""
     cache = (
         settings.out / "evals" / f"{digest([model, model_args, cache_key, settings.limit])}.json"
     )
     if not settings.fresh and cache.is_file():
-        return Evaluation(**json.loads(cache.read_text()))
+        cached = Evaluation(**json.loads(cache.read_text()))
+        if cached.tokens or not settings.long_answers:
+            return cached
     import lm_eval
 
     tasks = [lm_eval_task(d) for d in DOMAIN_NAMES]
@@ -81,8 +101,13 @@ def evaluate(
         log_samples=True,
         verbosity="ERROR",
     )
-    items = {d: _correct(output["samples"][lm_eval_task(d)]) for d in DOMAIN_NAMES}
-    result = Evaluation({d: 100 * sum(v) / len(v) for d, v in items.items()}, items)
+    samples = {d: output["samples"][lm_eval_task(d)] for d in DOMAIN_NAMES}
+    items = {d: _correct(samples[d]) for d in DOMAIN_NAMES}
+    tokens: dict[str, list[float]] = {}
+    if settings.long_answers:
+        tokenizer = _tokenizer(str(family.base))
+        tokens = {d: token_accuracy(samples[d], tokenizer) for d in DOMAIN_NAMES}
+    result = Evaluation({d: 100 * sum(v) / len(v) for d, v in items.items()}, items, tokens)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(asdict(result)))
     return result
@@ -91,6 +116,37 @@ def evaluate(
 def _correct(samples: list[dict[str, Any]]) -> list[int]:
     """1/0 exact match per item, in document order (the same order for every model)."""
     return [int(s["exact_match"]) for s in sorted(samples, key=lambda s: s["doc_id"])]
+
+
+def token_accuracy(samples: Sequence[dict[str, Any]], tokenizer: Any) -> list[float]:
+    """Per item, in document order: the share of the reference answer's tokens that the
+    generation has at the same position. Both are seen as exact match sees them: the generation
+    cut at the request's stop strings (the end of turn), both without the ignored patterns
+    (leading and trailing whitespace); a generation shorter than the answer misses the rest."""
+    shares = []
+    for sample in sorted(samples, key=lambda s: s["doc_id"]):
+        generation = sample["filtered_resps"][0]
+        for stop in sample["arguments"][0][1].get("until", []):
+            generation = generation.split(stop)[0]
+        answer, said = (_encode(tokenizer, text) for text in (sample["target"], generation))
+        if not answer:
+            raise ValueError(f"item {sample['doc_id']} has an empty answer: nothing to score")
+        shares.append(sum(a == b for a, b in zip(answer, said, strict=False)) / len(answer))
+    return shares
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    for pattern in IGNORED_PATTERNS:
+        text = re.sub(pattern, "", text)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@functools.cache
+def _tokenizer(folder: str) -> Any:
+    """The family's tokenizer (the base model's), loaded once per process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 @functools.cache

@@ -29,6 +29,9 @@ STAMP = "family.json"
 # and OpenMP threads on a busy CPU slow a model this small down by up to 10x.
 THREADS = 1
 
+# what exact match removes from the generation and the answer before comparing them
+IGNORED_PATTERNS = (r"^\s+", r"\s+$")
+
 Labelled = tuple[list[int], list[int]]  # input ids and their labels (-100 = no loss)
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -135,7 +138,7 @@ def _task_config(domain: str, eval_file: Path, until: str, max_gen_toks: int) ->
                 "metric": "exact_match",
                 "aggregation": "mean",
                 "higher_is_better": True,
-                "regexes_to_ignore": [r"^\s+", r"\s+$"],
+                "regexes_to_ignore": list(IGNORED_PATTERNS),
             }
         ],
         "metadata": {"version": 1.0},

@@ -4,16 +4,19 @@ Every surgery row is compared with its merge's no-surgery row on the same items:
 differences, mean over domains, 95 % paired-bootstrap interval with a fixed seed, so a reader
 can tell a correction that helps from noise (DESIGN "Demo results"). With several surgery seeds
 the table shows each row's mean over seeds and an interval that resamples seeds and items, and
-calls a row better or worse only when that interval and every seed agree.
+calls a row better or worse only when that interval and every seed agree. The long scale adds a
+second table: per-token accuracy, and each surgery row against its merge's Standard + L1 row
+(same surgery seed, same items), on exact match and per-token accuracy alike.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from demo.configs import STANDARD_L1_ROW
 from demo.domains import DOMAIN_NAMES
 from demo.evaluation import Evaluation
 from demo.regime import gains_kept
@@ -22,6 +25,27 @@ from mergekit_darts.analysis.stats import paired_bootstrap, seeded_bootstrap
 INDIVIDUAL = "Individual models"
 BOOTSTRAP_SEED = 0
 BOOTSTRAP_SAMPLES = 10_000
+EXACT_MATCH, TOKEN_ACCURACY = "exact_match", "token_accuracy"
+METRIC_NAMES = {EXACT_MATCH: "exact match", TOKEN_ACCURACY: "per-token accuracy"}
+NONE, STANDARD = "none", STANDARD_L1_ROW.label  # the rows a long-scale row is compared with
+
+
+class Comparison(NamedTuple):
+    """One of the long scale's differences: `metric` against the row `against`."""
+
+    metric: str
+    against: str
+    key: str  # in results.json
+    head: str  # the table's column
+
+
+LONG_DELTAS = (
+    Comparison(TOKEN_ACCURACY, NONE, "delta_token_accuracy_vs_none", "Δ tok vs none"),
+    Comparison(EXACT_MATCH, STANDARD, "delta_vs_standard_l1", f"Δ vs {STANDARD}"),
+    Comparison(
+        TOKEN_ACCURACY, STANDARD, "delta_token_accuracy_vs_standard_l1", f"Δ tok vs {STANDARD}"
+    ),
+)
 
 
 @dataclass
@@ -40,6 +64,8 @@ class Row:
     # `evaluation`), and the difference from no surgery over seeds and items
     seeds: dict[int, Evaluation] = field(default_factory=dict)
     delta_over_seeds: dict[str, Any] | None = None
+    # the long scale: each Comparison's key -> the difference (over seeds with several)
+    long_deltas: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def scores(self) -> dict[str, float]:
@@ -57,6 +83,12 @@ class Row:
     @property
     def average(self) -> float:
         return sum(self.shown.values()) / len(self.shown)
+
+    @property
+    def tokens_shown(self) -> dict[str, float]:
+        """Per-token accuracy (%) as `shown` shows exact match: the mean over surgery seeds."""
+        runs = list(self.seeds.values()) if len(self.seeds) > 1 else [self.evaluation]
+        return {d: statistics.fmean(e.token_scores[d] for e in runs) for d in DOMAIN_NAMES}
 
     def record(self) -> dict[str, Any]:
         """The row as results.json holds it (per-item correctness stays in the eval cache)."""
@@ -77,6 +109,14 @@ class Row:
             out["scores_mean_over_seeds"] = self.shown
         if self.delta_over_seeds is not None:
             out["delta_vs_none_over_seeds"] = self.delta_over_seeds
+        if self.evaluation.tokens:
+            out["token_accuracy"] = self.evaluation.token_scores
+            if len(self.seeds) > 1:
+                out["token_accuracy_by_seed"] = {
+                    str(s): e.token_scores for s, e in self.seeds.items()
+                }
+                out["token_accuracy_mean_over_seeds"] = self.tokens_shown
+        out.update(self.long_deltas)
         return out
 
 
@@ -94,28 +134,73 @@ def add_deltas(rows: Sequence[Row]) -> None:
         row.delta_vs_none = {"mean": ci.mean, "ci95": [ci.low, ci.high]}
         if len(row.seeds) < 2:
             continue
-        by_seed = {s: item_differences(e, ref) for s, e in row.seeds.items()}
-        two = seeded_bootstrap(by_seed, BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED)
-        spread = list(two.per_seed.values())
-        row.delta_over_seeds = {
-            "mean": two.mean,
-            "ci95": [two.low, two.high],
-            "by_seed": {str(s): v for s, v in two.per_seed.items()},
-            "seed_sd": statistics.stdev(spread),
-            "seed_range": [min(spread), max(spread)],
-            "direction": two.direction,
+        row.delta_over_seeds = _over_seeds(
+            {s: item_differences(e, ref) for s, e in row.seeds.items()}
+        )
+
+
+def add_long_deltas(rows: Sequence[Row]) -> None:
+    """Fill `long_deltas` of each surgery row (the long scale): per-token accuracy against its
+    merge's no-surgery row, and exact match and per-token accuracy against its Standard + L1 row
+    (seed s against seed s). Over seeds and items when the row ran with several, as
+    `delta_over_seeds`; else items of the one run, as `delta_vs_none`."""
+    none = {row.group: row for row in rows if row.kind == NONE}
+    standard = {row.group: row for row in rows if row.kind == "surgery" and row.label == STANDARD}
+    for row in rows:
+        if row.kind != "surgery":
+            continue
+        refs = {NONE: none[row.group], STANDARD: standard[row.group]}
+        row.long_deltas = {
+            c.key: _delta(row, refs[c.against], c.metric)
+            for c in LONG_DELTAS
+            if refs[c.against] is not row
         }
 
 
-def item_differences(evaluation: Evaluation, ref: Evaluation) -> dict[str, list[float]]:
-    """Per-item exact-match differences (points) of `evaluation` against `ref`, per domain."""
+def _delta(row: Row, ref: Row, metric: str) -> dict[str, Any]:
+    """`row` minus `ref` on `metric`, paired by item and by surgery seed (a reference without
+    seeds, no surgery, pairs with every seed)."""
+    if len(row.seeds) < 2:
+        diffs = item_differences(row.evaluation, ref.evaluation, metric)
+        ci = paired_bootstrap(diffs, BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED)
+        return {"mean": ci.mean, "ci95": [ci.low, ci.high]}
+    by_seed = {
+        s: item_differences(e, ref.seeds[s] if ref.seeds else ref.evaluation, metric)
+        for s, e in row.seeds.items()
+    }
+    return _over_seeds(by_seed)
+
+
+def _over_seeds(by_seed: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
+    """The two-level interval of per-seed, per-item differences, and the seeds' spread."""
+    two = seeded_bootstrap(by_seed, BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED)
+    spread = list(two.per_seed.values())
+    return {
+        "mean": two.mean,
+        "ci95": [two.low, two.high],
+        "by_seed": {str(s): v for s, v in two.per_seed.items()},
+        "seed_sd": statistics.stdev(spread),
+        "seed_range": [min(spread), max(spread)],
+        "direction": two.direction,
+    }
+
+
+def item_differences(
+    evaluation: Evaluation, ref: Evaluation, metric: str = EXACT_MATCH
+) -> dict[str, list[float]]:
+    """Per-item differences (points) of `evaluation` against `ref` on the same items."""
     diffs = {}
     for d in DOMAIN_NAMES:
-        a, b = evaluation.items[d], ref.items[d]
+        a, b = _per_item(evaluation, metric)[d], _per_item(ref, metric)[d]
         if len(a) != len(b):
             raise ValueError(f"{d} has {len(a)} items here and {len(b)} in the reference")
         diffs[d] = [100.0 * (x - y) for x, y in zip(a, b, strict=True)]
     return diffs
+
+
+def _per_item(evaluation: Evaluation, metric: str) -> dict[str, list[float]]:
+    """Each item's exact match (0/1) or per-token accuracy (0-1), per domain."""
+    return evaluation.items if metric == EXACT_MATCH else evaluation.tokens
 
 
 def significant(delta: dict[str, Any]) -> bool:
@@ -132,42 +217,83 @@ def markdown_table(rows: Sequence[Row]) -> str:
     With several surgery seeds: surgery rows show the mean over seeds, the interval resamples
     seeds and items, `*` marks a row every seed agrees with, and a column lists each seed's Δ.
     """
-    seeds = max((len(row.seeds) for row in rows), default=0)
-    delta_head = f"Δ vs none [95% CI, items × {seeds} seeds]" if seeds > 1 else "Δ vs none [95% CI]"
-    head = ["Merge", "Surgery", *DOMAIN_NAMES, "Avg.", delta_head, "mean ρ_L1 / router"]
+    seeds = _seeds(rows)
+    head = ["Merge", "Surgery", *DOMAIN_NAMES, "Avg.", _ci_head("Δ vs none", seeds)]
+    head.append("mean ρ_L1 / router")
     if seeds > 1:
         head.insert(-1, "Δ per seed")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    group = None
-    for row in rows:
-        shown = row.group if row.group != group else ""
-        group = row.group
+    lines = _head(head)
+    for row, shown in _grouped(rows):
         rho = f"{sum(row.rho.values()) / len(row.rho):.3f}" if row.rho else ""
         if row.router is not None:  # the router's held-out accuracy, tokens / prompts
             rho = (
                 f"router {100 * row.router['token_accuracy']:.0f} % tok / "
                 f"{100 * row.router['sequence_accuracy']:.0f} % prompts"
             )
-        delta = ""
-        shown_delta = row.delta_over_seeds or row.delta_vs_none
-        if shown_delta is not None:
-            low, high = shown_delta["ci95"]
-            mark = " *" if significant(shown_delta) else ""
-            mean = shown_delta["mean"]
-            delta = f"{signed_points(mean)} [{signed_points(low)}, {signed_points(high)}]{mark}"
         cells = [
             shown,
             row.label,
             *(f"{row.shown[d]:.1f}" for d in DOMAIN_NAMES),
             f"{row.average:.1f}",
-            delta,
+            delta_cell(row.delta_over_seeds or row.delta_vs_none),
             rho,
         ]
         if seeds > 1:
             per_seed = (row.delta_over_seeds or {}).get("by_seed", {})
-            cells.insert(-1, " / ".join(signed_points(v) for v in per_seed.values()))
+            cells.insert(-1, " / ".join(_points(v) for v in per_seed.values()))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def long_table(rows: Sequence[Row]) -> str:
+    """The long scale's second table: per-token accuracy % per domain and average, and each
+    surgery row's Δ [95 % CI] (`*` as in the first table) of per-token accuracy vs no surgery,
+    and of exact match and per-token accuracy vs its merge's Standard + L1 row."""
+    seeds = _seeds(rows)
+    tokens = [f"{d} tok" for d in DOMAIN_NAMES]
+    lines = _head(
+        ["Merge", "Surgery", *tokens, "Avg. tok", *(_ci_head(c.head, seeds) for c in LONG_DELTAS)]
+    )
+    for row, shown in _grouped(rows):
+        accuracy = row.tokens_shown
+        cells = [
+            shown,
+            row.label,
+            *(f"{accuracy[d]:.1f}" for d in DOMAIN_NAMES),
+            f"{statistics.fmean(accuracy.values()):.1f}",
+            *(delta_cell(row.long_deltas.get(c.key)) for c in LONG_DELTAS),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _seeds(rows: Sequence[Row]) -> int:
+    return max((len(row.seeds) for row in rows), default=0)
+
+
+def _ci_head(name: str, seeds: int) -> str:
+    return f"{name} [95% CI, items × {seeds} seeds]" if seeds > 1 else f"{name} [95% CI]"
+
+
+def _head(head: list[str]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+
+def _grouped(rows: Sequence[Row]) -> Iterator[tuple[Row, str]]:
+    """Each row with its group's name, shown on the group's first row only."""
+    group = None
+    for row in rows:
+        yield row, row.group if row.group != group else ""
+        group = row.group
+
+
+def delta_cell(delta: dict[str, Any] | None) -> str:
+    """`mean [low, high]`, with ` *` when `significant`; empty without a difference."""
+    if delta is None:
+        return ""
+    low, high = delta["ci95"]
+    mark = " *" if significant(delta) else ""
+    return f"{_points(delta['mean'])} [{_points(low)}, {_points(high)}]{mark}"
 
 
 def shift_table(shifts: dict[str, dict[str, Any]]) -> str:
@@ -184,7 +310,7 @@ def shift_table(shifts: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def signed_points(value: float) -> str:
+def _points(value: float) -> str:
     """Signed, one decimal, and never "-0.0"."""
     text = f"{value:+.1f}"
     return "+0.0" if text == "-0.0" else text
@@ -206,23 +332,34 @@ def regime(rows: Sequence[Row]) -> dict[str, Any]:
 
 
 def summary(rows: Sequence[Row], regime_numbers: dict[str, Any]) -> str:
-    """Plain-text lines: which surgery rows differ from no surgery, and the regime."""
+    """Plain-text lines: which surgery rows differ from no surgery (on the long scale also from
+    Standard + L1, on exact match and per-token accuracy), and the regime."""
     lines = []
     for row in rows:
-        if row.delta_over_seeds is not None:
-            direction = row.delta_over_seeds["direction"]
-            verdict = {"better": "better than", "worse": "worse than"}.get(
-                direction, "does not differ from"
-            )
-            seeds = ", ".join(row.delta_over_seeds["by_seed"])
-            lines.append(
-                f"{row.group} / {row.label}: {verdict} no surgery "
-                f"(95% CI over items and surgery seeds {seeds}, and every seed's sign)"
-            )
-        elif row.delta_vs_none is not None:
-            verdict = "differs from" if significant(row.delta_vs_none) else "does not differ from"
-            lines.append(f"{row.group} / {row.label}: {verdict} no surgery (95% CI)")
+        delta = row.delta_over_seeds or row.delta_vs_none
+        if delta is not None:
+            lines.append(f"{row.group} / {row.label}: {_verdict(delta, 'no surgery')}")
+        for c in LONG_DELTAS:
+            if c.key in row.long_deltas:
+                against = "no surgery" if c.against == NONE else c.against
+                what = f"{against} on {METRIC_NAMES[c.metric]}"
+                lines.append(f"{row.group} / {row.label}: {_verdict(row.long_deltas[c.key], what)}")
     for merge, kept in regime_numbers["gains_kept"].items():
         shares = ", ".join(f"{d} {'n/a' if v is None else f'{v:.2f}'}" for d, v in kept.items())
         lines.append(f"{merge}, no surgery, share of each expert's gain kept: {shares}")
     return "\n".join(lines)
+
+
+def _verdict(delta: dict[str, Any], against: str) -> str:
+    """How a difference compares its row with `against`: over seeds, better or worse only when
+    the interval and every seed's sign agree; with one run, whether the interval excludes 0."""
+    if "direction" not in delta:
+        verdict = "differs from" if significant(delta) else "does not differ from"
+        return f"{verdict} {against} (95% CI)"
+    verdict = {"better": "better than", "worse": "worse than"}.get(
+        delta["direction"], "does not differ from"
+    )
+    seeds = ", ".join(delta["by_seed"])
+    return (
+        f"{verdict} {against} (95% CI over items and surgery seeds {seeds}, and every seed's sign)"
+    )

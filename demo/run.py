@@ -26,6 +26,7 @@ from rich.console import Console
 
 from demo.configs import (
     ROUTED_LABEL,
+    WHOLE_ANSWER_SUFFIX,
     Variant,
     lm_eval_task,
     merge_config,
@@ -47,6 +48,8 @@ from demo.report import (
     INDIVIDUAL,
     Row,
     add_deltas,
+    add_long_deltas,
+    long_table,
     markdown_table,
     regime,
     shift_table,
@@ -118,7 +121,7 @@ def merged_rows(
     row once per surgery seed; the logit shift on generic text; the held-out evidence (full).
     Both come from the first seed."""
     background, measured = write_generic_prompts(settings.out / "data", settings.seed)
-    shown = variants(settings.full)
+    shown = variants(settings.full, settings.scale)
     runs = [
         _surgery_run(settings, family, method, shown, background, s)
         for s in range(settings.surgery_seeds)
@@ -193,6 +196,21 @@ def _surgery_run(
     return merged, read_manifest(surgery_dir(merged)), key
 
 
+def _position_figures(settings: DemoSettings, family: FamilyPaths, method: str) -> list[Path]:
+    """Figure 1 over prompt + answer for one merge (demo.position_study), cached by the merge."""
+    from demo.position_study import SUFFIXES, position_figures
+
+    merged = settings.out / "merges" / method
+    paths = [settings.out / "figures" / f"{method}_position_bias.{x}" for x in SUFFIXES]
+    stamp = paths[0].with_name(paths[0].name + ".done")
+    key = (merged.with_name(merged.name + ".done")).read_text()
+    if not settings.fresh and stamp.is_file() and stamp.read_text() == key:
+        return paths
+    paths = position_figures(settings.out, merged, family, cont_suffix=WHOLE_ANSWER_SUFFIX)
+    stamp.write_text(key)
+    return paths
+
+
 def merge_name(method: str, surgery_seed: int) -> str:
     """The folder (under out/merges) and config name of one `mergekit-yaml` run."""
     return method if surgery_seed == 0 else f"{method}_seed{surgery_seed}"
@@ -207,7 +225,7 @@ def _verdict_cells(settings: DemoSettings, rows: Sequence[Row]) -> list[dict[str
         ]
         for method in settings.methods
     }
-    shown = [v for v in variants(settings.full) if v.selects]
+    shown = [v for v in variants(settings.full, settings.scale) if v.selects]
     return verdict_cells(rows, shown, manifests)
 
 
@@ -280,8 +298,14 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         points += evidence
     add_deltas(rows)
     cells = _verdict_cells(settings, rows)
+    tables = [markdown_table(rows)]
+    if settings.long_answers:
+        add_long_deltas(rows)
+        tables.append(long_table(rows))
     figures = bias_figures(settings, settings.methods[0])
-    table = markdown_table(rows) + "\n\n" + shift_table(shifts)
+    if settings.long_answers:  # answers reach past what the calibration prompts cover
+        figures += [p for m in settings.methods for p in _position_figures(settings, family, m)]
+    table = "\n\n".join([*tables, shift_table(shifts)])
     regime_numbers = regime(rows)
     results: dict[str, Any] = {
         "settings": {
@@ -355,7 +379,7 @@ def _held_out_study(
     select_scores = {
         (row.group, "completions" if v.continuation_tokens else "prompts"): row.scores
         for row in rows
-        for v in variants(full=True)
+        for v in variants(True, settings.scale)
         if v.selects and row.label == v.label
     }
     outcomes = selection_outcomes(points, select_scores)

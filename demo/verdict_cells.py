@@ -23,7 +23,7 @@ from typing import Any
 from demo.configs import NO_CORRECTION, SELECT, Variant, fixed_variant, surgery_task
 from demo.domains import DOMAIN_NAMES
 from demo.evaluation import Evaluation
-from demo.report import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, Row, item_differences, signed_points
+from demo.report import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, Row, delta_cell, item_differences
 from mergekit_darts.analysis.stats import seeded_bootstrap
 from mergekit_darts.manifest import Manifest
 
@@ -126,8 +126,8 @@ def markdown(named: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
                         c["merge"],
                         c["calibration"],
                         c["domain"],
-                        f"{best['label']}: {_interval(best)}",
-                        _interval(c["default"]),
+                        f"{best['label']}: {delta_cell(best)}",
+                        delta_cell(c["default"]),
                         " / ".join(c["kept"]),
                     ]
                 )
@@ -144,12 +144,6 @@ def markdown(named: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
         + " of that candidate's gain on average.",
     ]
     return "\n".join(lines)
-
-
-def _interval(delta: Mapping[str, Any]) -> str:
-    low, high = delta["ci95"]
-    mark = " *" if delta["direction"] != "no difference" else ""
-    return f"{signed_points(delta['mean'])} [{signed_points(low)}, {signed_points(high)}]{mark}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

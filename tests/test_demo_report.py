@@ -9,9 +9,18 @@ import statistics
 
 import pytest
 
+from demo.configs import STANDARD_L1_ROW
 from demo.domains import DOMAIN_NAMES
 from demo.evaluation import Evaluation
-from demo.report import Row, add_deltas, markdown_table, regime
+from demo.report import (
+    Row,
+    add_deltas,
+    add_long_deltas,
+    long_table,
+    markdown_table,
+    regime,
+    summary,
+)
 from mergekit_darts.analysis.stats import SeededCI, paired_bootstrap, seeded_bootstrap
 from mergekit_darts.errors import ResultsError
 
@@ -205,3 +214,121 @@ def test_regime_reports_the_share_of_each_gain_kept() -> None:
         expert = rows[1 + DOMAIN_NAMES.index(d)].scores[d]
         expected = (none[d] - base[d]) / (expert - base[d])
         assert numbers["gains_kept"]["task_arithmetic"][d] == pytest.approx(expected)
+
+
+def _long_rows(n: int = 150) -> list[Row]:
+    """A long-scale merge: no surgery (one run), Standard + L1 and DARTS over three surgery
+    seeds; DARTS's per-token accuracy is Standard + L1's of the same seed plus 1/64 on every
+    item (so the difference is exact only when seed s is paired with seed s), its exact match
+    an independent draw."""
+    rng = random.Random(9)
+
+    def ev(items: dict[str, list[int]], tokens: dict[str, list[float]]) -> Evaluation:
+        return Evaluation({d: 100 * statistics.fmean(v) for d, v in items.items()}, items, tokens)
+
+    def draw(p: float) -> dict[str, list[int]]:
+        return {d: _items(rng, p, n) for d in DOMAIN_NAMES}
+
+    def shares() -> dict[str, list[float]]:
+        return {d: [rng.randrange(63) / 64 for _ in range(n)] for d in DOMAIN_NAMES}
+
+    none = ev(draw(0.3), shares())
+    standard, darts = {}, {}
+    for s in range(3):
+        tokens = shares()
+        standard[s] = ev(draw(0.4), tokens)
+        darts[s] = ev(draw(0.5), {d: [x + 1 / 64 for x in v] for d, v in tokens.items()})
+    group = "task_arithmetic"
+    return [
+        Row("Individual models", "Base", "base", ev(draw(0.1), shares())),
+        Row(group, "None (merged)", "none", none),
+        Row(group, STANDARD_L1_ROW.label, "surgery", standard[0], seeds=standard),
+        Row(group, "DARTS (pos_corr + EWL1)", "surgery", darts[0], seeds=darts),
+    ]
+
+
+def _reference_diffs(a: Evaluation, b: Evaluation, tokens: bool) -> dict[str, list[float]]:
+    """Per-item differences in points, float64, from the raw per-item lists."""
+    values = (lambda e: e.tokens) if tokens else (lambda e: e.items)
+    return {
+        d: [100.0 * x - 100.0 * y for x, y in zip(values(a)[d], values(b)[d], strict=True)]
+        for d in DOMAIN_NAMES
+    }
+
+
+def test_long_deltas_pair_seed_with_seed_against_standard_l1_and_every_seed_with_none() -> None:
+    rows = _long_rows()
+    add_deltas(rows)
+    add_long_deltas(rows)
+    _, none, standard, darts = rows
+    # per-token accuracy vs Standard + L1: 100/64 points on every item of every seed, so a point
+    vs_standard = darts.long_deltas["delta_token_accuracy_vs_standard_l1"]
+    assert vs_standard["by_seed"] == {str(s): 100 / 64 for s in range(3)}
+    assert (vs_standard["mean"], *vs_standard["ci95"]) == (100 / 64,) * 3
+    assert vs_standard["direction"] == "better"
+    for key, ref, tokens in [
+        ("delta_vs_standard_l1", standard, False),
+        ("delta_token_accuracy_vs_none", none, True),
+    ]:
+        diffs = {
+            s: _reference_diffs(e, ref.seeds.get(s, ref.evaluation), tokens)
+            for s, e in darts.seeds.items()
+        }
+        per_seed = {
+            str(s): math.fsum(math.fsum(v) / len(v) for v in by.values()) / len(by)
+            for s, by in diffs.items()
+        }
+        delta = darts.long_deltas[key]
+        assert delta["by_seed"] == pytest.approx(per_seed, abs=1e-9), key
+        assert delta["mean"] == pytest.approx(statistics.fmean(per_seed.values()), abs=1e-9)
+        low, high = _reference_two_level(diffs, 2000, 11)
+        assert delta["ci95"][0] == pytest.approx(low, abs=1.5), key
+        assert delta["ci95"][1] == pytest.approx(high, abs=1.5), key
+    # Standard + L1 is not compared with itself; the no-surgery comparison keeps its own
+    assert set(standard.long_deltas) == {"delta_token_accuracy_vs_none"}
+    assert standard.long_deltas["delta_token_accuracy_vs_none"]["by_seed"] == pytest.approx(
+        {
+            str(s): statistics.fmean(
+                statistics.fmean(v) for v in _reference_diffs(e, none.evaluation, True).values()
+            )
+            for s, e in standard.seeds.items()
+        },
+        abs=1e-9,
+    )
+
+
+def test_the_long_table_shows_per_token_accuracy_and_the_deltas_vs_standard_l1() -> None:
+    rows = _long_rows()
+    add_deltas(rows)
+    add_long_deltas(rows)
+    lines = long_table(rows).splitlines()
+    assert lines[0] == (
+        "| Merge | Surgery | code tok | math tok | instruct tok | Avg. tok "
+        "| Δ tok vs none [95% CI, items × 3 seeds] "
+        f"| Δ vs {STANDARD_L1_ROW.label} [95% CI, items × 3 seeds] "
+        f"| Δ tok vs {STANDARD_L1_ROW.label} [95% CI, items × 3 seeds] |"
+    )
+    base, none, standard, darts = ([c.strip() for c in x.strip("|").split("|")] for x in lines[2:])
+    shown = {
+        d: statistics.fmean(100 * statistics.fmean(e.tokens[d]) for e in rows[3].seeds.values())
+        for d in DOMAIN_NAMES
+    }
+    assert darts[2:5] == [f"{shown[d]:.1f}" for d in DOMAIN_NAMES]
+    assert darts[5] == f"{statistics.fmean(shown.values()):.1f}"
+    assert darts[-1] == "+1.6 [+1.6, +1.6] *"
+    assert standard[-2:] == ["", ""] and standard[-3] != ""  # no Δ against itself
+    assert base[-3:] == none[-3:] == ["", "", ""]  # per-token accuracy only
+    assert none[2] == f"{100 * statistics.fmean(rows[1].evaluation.tokens['code']):.1f}"
+    text = summary(rows, regime(rows))
+    assert (
+        f"task_arithmetic / DARTS (pos_corr + EWL1): better than {STANDARD_L1_ROW.label} on "
+        "per-token accuracy (95% CI over items and surgery seeds 0, 1, 2, and every seed's sign)"
+    ) in text.splitlines()
+
+
+def test_rows_without_per_token_accuracy_keep_their_records_and_summary() -> None:
+    """The tiny and real scales measure no per-token accuracy: nothing new in results.json."""
+    rows = _rows()
+    add_deltas(rows)
+    old = {"group", "label", "kind", "domain", "scores", "n_items", "rho_l1", "delta_vs_none"}
+    assert all(set(row.record()) <= old for row in rows)

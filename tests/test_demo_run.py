@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from demo.configs import (
     VARIANTS,
     fixed_variant,
     merge_config,
+    variants,
 )
 from demo.domains import DOMAIN_NAMES
 from demo.run import DemoSettings, run_demo
@@ -162,3 +164,76 @@ def test_examples_demo_match_what_the_driver_writes(monkeypatch):
             background=background,
         )
         assert yaml.safe_load((repo / f"examples/demo/{method}.yml").read_text()) == expected
+
+
+# sha256 of the merge YAMLs `_yamls` writes for the tiny and real scales, as the driver wrote them
+# before the long scale had rows of its own: those demos' configs (and so their tables) stay put
+TINY_AND_REAL_YAMLS = "8eb87f5e71c8bd52f418f0ab8d290ec23b6b6953b0d958ba239b6a905d54d391"
+
+
+def _yamls(scale: str, full: bool, root) -> dict[tuple[str, int], str]:
+    """Every method's YAML text for surgery seeds 0 and 1, laid out as `make demo` lays it out."""
+    family = root / "family"
+    experts = {d: family / "experts" / d for d in DOMAIN_NAMES}
+    calib = {d: family / "data" / f"{d}_calib.jsonl" for d in DOMAIN_NAMES}
+    return {
+        (method, seed): yaml.safe_dump(
+            merge_config(
+                method,
+                family / "base",
+                experts,
+                calib,
+                steps=500,
+                cache_dir=root / "captures",
+                rows=variants(full, scale),
+                background=root / "data/bg.jsonl",
+                surgery_seed=seed,
+            ),
+            sort_keys=False,
+        )
+        for method in METHODS
+        for seed in (0, 1)
+    }
+
+
+def test_the_tiny_and_real_scales_keep_their_rows_and_yamls(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for scale in ("full", "tiny", "real"):
+        assert variants(False, scale) == HEADLINE and variants(True, scale) == VARIANTS
+        text = "".join(t for full in (False, True) for t in _yamls(scale, full, tmp_path).values())
+        assert hashlib.sha256(text.encode()).hexdigest() == TINY_AND_REAL_YAMLS, scale
+
+
+def test_the_long_scale_merges_paper_table_10s_grid_and_the_whole_answer_row(tmp_path, monkeypatch):
+    """Standard / pos_corr x L1 / EWL1, DARTS calibrated on completions as long as the
+    evaluation's generation limit, and the default, as the surgery block parses them."""
+    from demo.real_family import SCALES
+    from mergekit_darts.config import parse_surgery
+
+    monkeypatch.chdir(tmp_path)
+    limit = SCALES["long"].max_gen_toks
+    expected = {  # suffix -> (module, loss, continuation tokens, selects)
+        "_std": ("standard", "l1", 0, False),
+        "_std_ewl1": ("standard", "ewl1", 0, False),
+        "_pos_l1": ("pos_corr", "l1", 0, False),
+        "": ("pos_corr", "ewl1", 0, False),
+        "_cont_answer": ("pos_corr", "ewl1", limit, False),
+        "_select": (None, None, 0, True),
+    }
+    assert [v.suffix for v in variants(False, "long")] == list(expected)
+    for method, seed in [("task_arithmetic", 0), ("ties", 1)]:
+        config = yaml.safe_load(_yamls("long", False, tmp_path)[method, seed])
+        tasks = {t.name: t for t in parse_surgery(config["surgery"]).tasks}
+        assert len(tasks) == len(expected) * len(DOMAIN_NAMES)
+        for domain in DOMAIN_NAMES:
+            for suffix, (module, loss, tokens, selects) in expected.items():
+                task = tasks[domain + suffix]
+                assert (task.module, task.loss) == (module, loss), domain + suffix
+                assert task.calibration.continuation_tokens == tokens, domain + suffix
+                assert (task.select is not None) == selects, domain + suffix
+                # only DARTS answers `surgery=auto`; the routed row routes over the DARTS tasks
+                assert task.eval_tasks == ([f"demo_{domain}"] if suffix == "" else [])
+        assert config["surgery"]["route"]["tasks"] == list(DOMAIN_NAMES)
+    full = variants(True, "long")
+    assert full[: len(expected)] == variants(False, "long")
+    assert len({v.suffix for v in full}) == len({v.label for v in full}) == len(full)

@@ -26,6 +26,7 @@ from demo.real_family import (
     build_real_family,
     cached_batches,
     chat,
+    disjoint_splits,
     top_model,
     training_items,
 )
@@ -90,7 +91,7 @@ def test_eval_items_are_templated_and_generation_stops_at_the_end_of_turn(
         assert task["generation_kwargs"]["until"] == [END_OF_TURN]
         assert task["generation_kwargs"]["max_gen_toks"] == spec.max_gen_toks
         # every answer and its end-of-turn fit the generation limit (the whole split, seed 0)
-        splits = make_splits(domain, 0, 50, 50, LONG_DOMAINS)
+        splits = disjoint_splits(tokenizer, domain, 0, spec.recipe, LONG_DOMAINS)
         for ex in (*splits.calib, *splits.eval):
             answer = tokenizer(ex.answer, add_special_tokens=False)["input_ids"]
             assert len(answer) + 1 <= spec.max_gen_toks, (domain, len(answer))
@@ -98,24 +99,14 @@ def test_eval_items_are_templated_and_generation_stops_at_the_end_of_turn(
     assert stamp["scale"] == "long"
 
 
-# seed 0's math splits: one evaluation prompt holds four numbers in a row (`…9, 77, 10, 31`, 13
-# tokens: one per digit) of a calibration prompt, which the check rightly counts as overlap
-OVERLAP = pytest.mark.xfail(strict=True, reason="13 tokens of numbers shared by two prompts")
-
-
-@pytest.mark.parametrize(
-    ("domain", "seed"),
-    [
-        (d, s) if (d, s) != ("math", 0) else pytest.param(d, s, marks=OVERLAP)
-        for s in (0, 1)
-        for d in DOMAIN_NAMES
-    ],
-)
+@pytest.mark.parametrize(("domain", "seed"), [(d, s) for s in (0, 1) for d in DOMAIN_NAMES])
 def test_the_leakage_check_tells_evaluation_from_calibration_prompts(
     domain: str, seed: int, tokenizer
 ) -> None:
     """The long prompts share a frame too: hf-darts' leakage check must flag every calibration
-    prompt and none of the disjoint evaluation prompts."""
+    prompt and none of the evaluation prompts the build writes (seed 0's math stream holds one
+    that repeats four numbers in a row of a calibration prompt, 13 tokens: the build replaces
+    it)."""
     special = set(tokenizer.all_special_ids)
 
     def ids(examples) -> list[list[int]]:
@@ -123,7 +114,24 @@ def test_the_leakage_check_tells_evaluation_from_calibration_prompts(
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [[t for t in row if t not in special] for row in encoded]
 
-    splits = make_splits(domain, seed, 50, 50, LONG_DOMAINS)
+    splits = disjoint_splits(tokenizer, domain, seed, SCALES["long"].recipe, LONG_DOMAINS)
+    assert (len(splits.calib), len(splits.eval)) == (50, 50)
+    assert len(splits.held_out()) == 100
     grams = CalibrationGrams(ids(splits.calib))
     assert all(grams.found_in(row) for row in ids(splits.calib))
     assert not any(grams.found_in(row) for row in ids(splits.eval))
+
+
+def test_the_build_replaces_only_the_evaluation_items_the_leakage_rule_flags(tokenizer) -> None:
+    """The real scale's items stay as they were (its build identity too); the long scale's seed-0
+    math split loses its one flagged item (the sixth) to the stream's next one, order kept."""
+    for scale, spec in SCALES.items():
+        for domain in DOMAIN_NAMES:
+            n_calib, n_eval = spec.recipe.n_calib, spec.recipe.n_eval
+            plain = make_splits(domain, 0, n_calib, n_eval + 1, spec.domains)
+            built = disjoint_splits(tokenizer, domain, 0, spec.recipe, spec.domains)
+            assert built.calib == plain.calib, (scale, domain)
+            if (scale, domain) == ("long", "math"):
+                assert built.eval == plain.eval[:5] + plain.eval[6:], domain
+            else:
+                assert built.eval == plain.eval[:n_eval], (scale, domain)
