@@ -334,7 +334,9 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     results["cpu_seconds"] = round(cpu, 1)
     (settings.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (settings.out / "table.md").write_text(table + "\n")
-    (settings.out / "verdict.md").write_text(verdict_markdown({settings.scale: cells}) + "\n")
+    (settings.out / "verdict.md").write_text(
+        verdict_markdown({f"{settings.scale}, seed {settings.seed}": cells}) + "\n"
+    )
     print(table)  # plain print: rich would wrap the table's long lines
     print(summary(rows, regime_numbers))
     console.print(

@@ -118,7 +118,7 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
             chosen = selection["candidates"][selection["chosen"]]
             assert (kept == "none") == (chosen["module"] == "none")
     verdict_md = (out / "verdict.md").read_text()
-    assert verdict_md.count("| tiny | task_arithmetic | prompts |") == len(DOMAIN_NAMES)
+    assert verdict_md.count("| tiny, seed 0 | task_arithmetic | prompts |") == len(DOMAIN_NAMES)
     assert not (out / "selection.md").exists()  # the held-out study is --full only
     # a second run is served from the caches and gives the same table
     again = run_demo(settings)
