@@ -21,6 +21,7 @@ from typing import Any
 
 from benchmarks.calibration import load, ratio
 from benchmarks.measure import alternate, cuda_sync, paired_ratio
+from mergekit_darts.config.schema import DEFAULT_FOLDS
 
 GRID = {"module": ["standard", "pos_corr"], "loss": ["l1", "ewl1"], "seed": [0, 1]}
 TARGET_RATIO = 1.2
@@ -152,14 +153,16 @@ def demo_block_loads(settings: Any, merged: str, targets: list[str], calib: str)
     """15 tasks over 3 targets, the demo's shape: 5 variants per target, 2 with completions."""
     from mergekit_darts.integrations.post_merge import run_surgery
 
+    block = _block(settings, targets, calib, small=True)
+    n = block["tasks"][0]["calibration"]["num_samples"]  # the smoke test has fewer than folds
+    default = {"select": {"folds": min(DEFAULT_FOLDS, n)}}  # the default selection
     variants = [
         {"module": "standard", "loss": "l1"},
         {"loss": "l1"},
-        {},
+        default,
         {"module": "standard", "loss": "l1", "continuation": 4},
-        {"continuation": 4},
+        {**default, "continuation": 4},
     ]
-    block = _block(settings, targets, calib, small=True)
     tasks = []
     for v, variant in enumerate(variants):
         for task in block["tasks"]:

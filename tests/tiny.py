@@ -28,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.calibrate.data import load_prompts
 from mergekit_darts.config import parse_surgery, resolve_tasks
+from mergekit_darts.config.schema import DEFAULT_FOLDS
 from mergekit_darts.core.modules import SurgeryModule, build_module
 from mergekit_darts.core.router import Router
 from mergekit_darts.errors import SurgeryConfigError
@@ -320,11 +321,12 @@ def quick_block(family: Any, data: Path, **settings: Any) -> dict[str, Any]:
 
 
 def one_task_block(family: Any, data: Path) -> dict[str, Any]:
-    """A quick block: task math of ``family``, four prompts of ``data/math.jsonl``, two steps."""
+    """A quick block: task math of ``family``, one prompt of ``data/math.jsonl`` per default
+    fold, two steps."""
     return surgery_block(
         family.math,
         data / "math.jsonl",
-        calibration={"num_samples": 4, "max_length": 16},
+        calibration={"num_samples": DEFAULT_FOLDS, "max_length": 16},
         steps=2,
         batch_size=4,
     )
