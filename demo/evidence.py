@@ -1,7 +1,8 @@
 """Which held-out metric predicts the task score, and does `select` find the best fixed variant?
 
-Each `select` task of the demo trains the fixed variants above it as candidates on 80 % of the
-calibration prompts and measures them on the other 20 %; with refit, the module it saves is
+Each `select` task of the demo trains the fixed variants above it as candidates and measures
+them on calibration prompts they did not train on (every prompt once over the default's folds, or
+a held-out share); with refit, the module it saves is
 byte for byte the fixed variant it chose. So every fixed variant's exact match can be paired
 with its candidate's held-out numbers, and the unrepaired merge (the `{module: none}` candidate)
 with the "before" numbers, per merge and domain. Numbers from prompt-only and completion calibration are not comparable (other
@@ -66,19 +67,13 @@ def collect(method: str, manifest: Manifest, scores: Mapping[str, dict]) -> list
         group = "completions" if variant.continuation_tokens else "prompts"
         for domain in DOMAIN_NAMES:
             entry = manifest.tasks[surgery_task(domain) + variant.suffix]
-            held, selection = entry.held_out, entry.selection
-            before = held["all"]
+            selection = entry.selection
             for index, candidate in enumerate(selection["candidates"]):
                 numbers = candidate["held_out"]
                 verdict = {f"verdict_{m}": numbers.get(m) for m in VERDICT_METRICS}
                 if candidate["module"] == "none":  # the merge as it is: the no-surgery row
                     label = NONE_LABEL
-                    metrics = {
-                        "agreement": before["agreement_before"],
-                        "kl": before["kl_before"],
-                        "rho_l1": 0.0,
-                        "completion_agreement": held.get("completion", {}).get("agreement_before"),
-                    }
+                    metrics = _before(entry.held_out, numbers)
                 else:
                     label = fixed_variant(candidate, variant.continuation_tokens).label
                     metrics = {
@@ -98,6 +93,25 @@ def collect(method: str, manifest: Manifest, scores: Mapping[str, dict]) -> list
                     )
                 )
     return points
+
+
+def _before(held: dict[str, Any] | None, none: dict[str, Any]) -> dict[str, float | None]:
+    """The merge's own held-out numbers: the held-out share's "before" values, or, when every
+    prompt was judged in a fold (no held-out share), the `none` candidate's pooled ones."""
+    if held is None:
+        completion = none.get("completion", {}).get("agreement")
+        return {
+            "agreement": none["agreement"],
+            "kl": none["kl"],
+            "rho_l1": 0.0,
+            "completion_agreement": completion,
+        }
+    return {
+        "agreement": held["all"]["agreement_before"],
+        "kl": held["all"]["kl_before"],
+        "rho_l1": 0.0,
+        "completion_agreement": held.get("completion", {}).get("agreement_before"),
+    }
 
 
 def _spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:

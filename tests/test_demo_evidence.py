@@ -133,3 +133,55 @@ def test_the_pooling_command_names_a_missing_results_file(tmp_path, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "no such results.json" in err and "--full" in err
+
+
+@pytest.mark.parametrize("cross_fitted", [True, False])
+def test_collect_reads_the_merges_own_numbers_with_folds_or_a_held_out_share(cross_fitted):
+    """Cross-fitted select tasks have no held-out share: the `none` candidate's pooled numbers
+    are the merge's; with a share, its "before" values are."""
+    from types import SimpleNamespace
+
+    from demo.configs import DARTS, VARIANTS, fixed_variant, surgery_task
+    from demo.evidence import collect
+
+    def numbers(agreement: float) -> dict:
+        return {
+            "agreement": agreement,
+            "kl": 1 - agreement,
+            "rho_l1": 0.3,
+            "completion": {"agreement": agreement / 2},
+        }
+
+    tasks, scores = {}, {NONE_LABEL: dict.fromkeys(DOMAIN_NAMES, 5.0)}
+    for variant in (v for v in VARIANTS if v.selects):
+        fixed = [
+            {**DARTS, **v.overrides}
+            for v in VARIANTS
+            if not v.selects and v.continuation_tokens == variant.continuation_tokens
+        ][:2]
+        candidates = [{"module": "none", "loss": "l1", "held_out": numbers(0.4)}]
+        candidates += [{**c, "held_out": numbers(0.6)} for c in fixed]
+        for c in candidates[1:]:
+            scores[fixed_variant(c, variant.continuation_tokens).label] = dict.fromkeys(
+                DOMAIN_NAMES, 7.0
+            )
+        share = (
+            None
+            if cross_fitted
+            else {
+                "all": {"agreement_before": 0.1, "kl_before": 0.9},
+                "completion": {"agreement_before": 0.05},
+            }
+        )
+        for domain in DOMAIN_NAMES:
+            tasks[surgery_task(domain) + variant.suffix] = SimpleNamespace(
+                held_out=share, selection={"candidates": candidates, "chosen": 1}
+            )
+    points = collect("m", SimpleNamespace(tasks=tasks), scores)
+    merge = [p for p in points if p.variant == NONE_LABEL]
+    assert merge and all(p.exact_match == 5.0 for p in merge)
+    expected = (0.4, 0.6, 0.2) if cross_fitted else (0.1, 0.9, 0.05)
+    for p in merge:
+        got = (p.metrics["agreement"], p.metrics["kl"], p.metrics["completion_agreement"])
+        assert got == pytest.approx(expected) and p.metrics["rho_l1"] == 0.0
+    assert {p.metrics["agreement"] for p in points if p.variant != NONE_LABEL} == {0.6}
