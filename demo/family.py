@@ -59,6 +59,7 @@ from demo.family_io import (
     write_stamp,
     write_tasks,
 )
+from demo.packed import skip_padding
 from demo.pinning import PINS
 from demo.tokenizer import EOS, build_tokenizer
 
@@ -266,10 +267,11 @@ def _train(
     model.train()
     loss = torch.tensor(float("nan"))
     bar = tqdm(range(steps), desc=f"train {name}", disable=not progress, leave=False)
-    for step, (input_ids, labels) in zip(bar, batches, strict=False):
-        loss = model(input_ids=input_ids, labels=labels).loss
-        optimizer_step(loss, model.parameters(), optimizer, schedule)
-        if step % 50 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+    with skip_padding(model, model.config.pad_token_id):
+        for step, (input_ids, labels) in zip(bar, batches, strict=False):
+            loss = model(input_ids=input_ids, labels=labels).loss
+            optimizer_step(loss, model.parameters(), optimizer, schedule)
+            if step % 50 == 0:
+                bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
     return float(loss.item())
