@@ -30,24 +30,28 @@ class _Rows:
 
     def __init__(self, input_ids: torch.Tensor, pad_id: int) -> None:
         real = (input_ids != pad_id).flip(-1).cummax(-1).values.flip(-1).reshape(-1)
-        self.total = real.numel()
         self.real = real.nonzero().squeeze(1)  # up to each sequence's last non-pad token
-        self.pads = (~real).nonzero().squeeze(1)
-        extra = -len(self.real) % ROW_MULTIPLE  # the first real row repeated at the end
-        self.packed = torch.cat([self.real, self.real[:1].expand(extra)])
-        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        # packed: the real rows, then zero rows (one at least) up to a multiple of ROW_MULTIPLE
+        self.packed_rows = len(self.real) + 1 + (-len(self.real) - 1) % ROW_MULTIPLE
+        # for every row of the batch, its packed row; a pad row, the first zero row
+        self.unpack = torch.full_like(real, len(self.real), dtype=torch.long)
+        self.unpack[self.real] = torch.arange(len(self.real))
+        self.total = real.numel()
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """`x`'s packed rows; the projections that share an input share one copy."""
-        if self._gathered is None or self._gathered[0] is not x:
-            self._gathered = (x, x.reshape(-1, x.shape[-1]).index_select(0, self.packed))
-        return self._gathered[1]
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`'s real rows, then the zero rows."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = flat.new_empty(self.packed_rows, flat.shape[1])
+        torch.index_select(flat, 0, self.real, out=out[: len(self.real)])
+        out[len(self.real) :] = 0
+        return out
 
-    def scatter(self, packed: torch.Tensor) -> torch.Tensor:
-        """The real rows of `packed` in their places among all rows, zeros in the pad rows."""
-        out = packed.new_empty(self.total, packed.shape[1])
-        out.index_copy_(0, self.real, packed[: len(self.real)])
-        return out.index_fill_(0, self.pads, 0.0)
+    def pack_shared(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`pack`, once for the projections that share an input."""
+        if self._packed is None or self._packed[0] is not x:
+            self._packed = (x, self.pack(x))
+        return self._packed[1]
 
 
 class _RealRowsLinear(torch.autograd.Function):
@@ -57,18 +61,19 @@ class _RealRowsLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, rows: _Rows) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.rows = rows
-        return rows.scatter(F.linear(rows.gather(x), weight)).view(*x.shape[:-1], -1)
+        out = F.linear(rows.pack_shared(x), weight).index_select(0, rows.unpack)
+        return out.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         rows: _Rows = ctx.rows
-        grad = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = rows.scatter(grad.index_select(0, rows.packed).mm(weight)).view(x.shape)
+            grad_x = rows.pack(grad).mm(weight).index_select(0, rows.unpack).view(x.shape)
         if ctx.needs_input_grad[1]:
             # torch's own backward of F.linear's weight: the product over all rows
+            grad = grad.reshape(-1, grad.shape[-1])
             grad_w = grad.t().mm(x.reshape(-1, x.shape[-1]))
         return grad_x, grad_w, None
 
