@@ -7,13 +7,18 @@ each linear layer multiply only the real rows (forward and input gradient) and g
 zeros; the weight gradient stays the full product, exactly the call of torch's own backward, in
 which the pad rows add zeros. A real row's result is then the same bits: MKL's SGEMM rounds a row
 the same whatever the other rows, provided the row count is a multiple of :data:`ROW_MULTIPLE`
-(the padded batch's count, batch size × width, is one). `tests/test_demo_packed.py` checks the
-weights bit for bit against plain training under the demo's pins.
-"""
+(the padded batch's count, batch size × width, is one).
+
+The weight gradients need nothing that comes after them in the backward pass, so they run on a
+second thread while the backward pass goes on: each is the same single-threaded SGEMM call, so
+the same bits, and a second core takes a third of the SGEMM work off the critical path.
+`tests/test_demo_packed.py` checks the weights bit for bit against plain training under the
+demo's pins."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -54,13 +59,45 @@ class _Rows:
         return self._packed[1]
 
 
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """torch's own backward of F.linear's weight: the product over all rows."""
+    return grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+class _WeightGrads:
+    """The linear layers' weight gradients, computed on a second thread while the backward pass
+    goes on: each is the same single-threaded SGEMM call, so the same bits. The backward pass
+    waits for them at its end and sets them as autograd would have."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self.pending: list[tuple[torch.Tensor, Future[torch.Tensor]]] = []
+
+    def submit(self, weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
+        """`grad` itself is held (not a view) so that autograd cannot add into it meanwhile."""
+        if not self.pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self.pending.append((weight, self.pool.submit(_weight_grad, grad, x)))
+
+    def finish(self) -> None:
+        for weight, future in self.pending:
+            grad = future.result()
+            if weight.grad is None:
+                weight.grad = grad
+            else:
+                weight.grad += grad
+        self.pending.clear()
+
+
 class _RealRowsLinear(torch.autograd.Function):
     """``F.linear(x, weight)`` computed on the real rows only (zeros on the pad rows)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, rows: _Rows, weight_grads: _WeightGrads
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.rows = rows
+        ctx.rows, ctx.weight_grads = rows, weight_grads
         out = F.linear(rows.pack_shared(x), weight).index_select(0, rows.unpack)
         return out.view(*x.shape[:-1], -1)
 
@@ -68,20 +105,19 @@ class _RealRowsLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         rows: _Rows = ctx.rows
-        grad_x = grad_w = None
+        grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = rows.pack(grad).mm(weight).index_select(0, rows.unpack).view(x.shape)
         if ctx.needs_input_grad[1]:
-            # torch's own backward of F.linear's weight: the product over all rows
-            grad = grad.reshape(-1, grad.shape[-1])
-            grad_w = grad.t().mm(x.reshape(-1, x.shape[-1]))
-        return grad_x, grad_w, None
+            ctx.weight_grads.submit(weight, grad, x)
+        return grad_x, None, None, None
 
 
 @contextmanager
 def skip_padding(model: nn.Module, pad_id: int) -> Iterator[None]:
     """While open, every linear layer of `model` multiplies only the real rows of the batch
-    (`input_ids` passed by keyword, right-padded with `pad_id`); restored on exit."""
+    (`input_ids` passed by keyword, right-padded with `pad_id`) and `backward()` computes its
+    weight gradient on a second thread, in `.grad` when the pass ends; restored on exit."""
     batch: list[_Rows] = []
 
     def on_call(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -92,17 +128,20 @@ def skip_padding(model: nn.Module, pad_id: int) -> Iterator[None]:
             rows = batch[0]
             if x.shape[:-1].numel() != rows.total or linear.bias is not None:
                 raise RuntimeError("skip_padding: a linear layer saw other rows than the batch's")
-            return _RealRowsLinear.apply(x, linear.weight, rows)
+            return _RealRowsLinear.apply(x, linear.weight, rows, weight_grads)
 
         return forward
 
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    hook = model.register_forward_pre_hook(on_call, with_kwargs=True)
-    for linear in linears:
-        linear.forward = packed(linear)
-    try:
-        yield
-    finally:
-        hook.remove()
+    threads = torch.get_num_threads()
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,)) as pool:
+        weight_grads = _WeightGrads(pool)
+        hook = model.register_forward_pre_hook(on_call, with_kwargs=True)
         for linear in linears:
-            del linear.forward
+            linear.forward = packed(linear)
+        try:
+            yield
+        finally:
+            hook.remove()
+            for linear in linears:
+                del linear.forward
