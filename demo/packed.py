@@ -80,13 +80,17 @@ class _WeightGrads:
         self.pending.append((weight, self.pool.submit(_weight_grad, grad, x)))
 
     def finish(self) -> None:
-        for weight, future in self.pending:
+        pending, self.pending = self.pending, []
+        for weight, future in pending:
             grad = future.result()
             if weight.grad is None:
                 weight.grad = grad
             else:
                 weight.grad += grad
-        self.pending.clear()
+
+    def drop(self) -> None:
+        """Forget what a backward pass that failed left (the next pass then waits for its own)."""
+        self.pending = []
 
 
 class _RealRowsLinear(torch.autograd.Function):
@@ -122,6 +126,7 @@ def skip_padding(model: nn.Module, pad_id: int) -> Iterator[None]:
 
     def on_call(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         batch[:] = [_Rows(kwargs["input_ids"], pad_id)]
+        weight_grads.drop()
 
     def packed(linear: nn.Linear) -> Any:
         def forward(x: torch.Tensor) -> torch.Tensor:
