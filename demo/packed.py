@@ -59,6 +59,7 @@ class _Rows:
         return self._packed[1]
 
 
+@torch.no_grad()  # grad mode is per thread: the worker's is on
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """torch's own backward of F.linear's weight: the product over all rows."""
     return grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))

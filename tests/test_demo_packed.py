@@ -62,6 +62,7 @@ def test_skipping_the_pad_rows_changes_neither_loss_nor_gradients() -> None:
         loss, grads = _loss_and_grads(model, batch)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-12, atol=1e-12)
     assert grads.keys() == plain.keys()
+    assert not any(g.requires_grad for g in grads.values())  # plain tensors, as autograd's
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain[name], rtol=1e-10, atol=1e-12, msg=name)
 
