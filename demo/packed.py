@@ -43,7 +43,10 @@ class _Rows:
         self.unpack[self.real] = torch.arange(len(self.real))
         self.total = real.numel()
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # projections computed ahead on the worker: their input and their output
+        self.ahead: dict[nn.Linear, tuple[torch.Tensor, Future[torch.Tensor]]] = {}
 
+    @torch.no_grad()  # the gradient is _RealRowsLinear's
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """`x`'s real rows, then the zero rows."""
         flat = x.reshape(-1, x.shape[-1])
@@ -57,6 +60,17 @@ class _Rows:
         if self._packed is None or self._packed[0] is not x:
             self._packed = (x, self.pack(x))
         return self._packed[1]
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> Future[torch.Tensor]:
+        """``F.linear(x, weight)`` on the real rows, unpacked, on this thread."""
+        done: Future[torch.Tensor] = Future()
+        done.set_result(_product(self.pack_shared(x), weight, self.unpack))
+        return done
+
+
+@torch.no_grad()  # grad mode is per thread: the worker's is on
+def _product(packed: torch.Tensor, weight: torch.Tensor, unpack: torch.Tensor) -> torch.Tensor:
+    return F.linear(packed, weight).index_select(0, unpack)
 
 
 @torch.no_grad()  # grad mode is per thread: the worker's is on
@@ -99,12 +113,16 @@ class _RealRowsLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, rows: _Rows, weight_grads: _WeightGrads
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rows: _Rows,
+        weight_grads: _WeightGrads,
+        out: Future[torch.Tensor],
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.rows, ctx.weight_grads = rows, weight_grads
-        out = F.linear(rows.pack_shared(x), weight).index_select(0, rows.unpack)
-        return out.view(*x.shape[:-1], -1)
+        return out.result().view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -115,7 +133,22 @@ class _RealRowsLinear(torch.autograd.Function):
             grad_x = rows.pack(grad).mm(weight).index_select(0, rows.unpack).view(x.shape)
         if ctx.needs_input_grad[1]:
             ctx.weight_grads.submit(weight, grad, x)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
+
+
+# Llama's projections that read the same input
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _handoffs(model: nn.Module) -> dict[nn.Linear, nn.Linear]:
+    """For each group of projections of one input, its first (the first called) → its last."""
+    handoff = {}
+    for module in model.modules():
+        for names in SHARED_INPUT:
+            group = [getattr(module, name, None) for name in names]
+            if all(isinstance(linear, nn.Linear) for linear in group):
+                handoff[group[0]] = group[-1]
+    return handoff
 
 
 @contextmanager
@@ -134,11 +167,21 @@ def skip_padding(model: nn.Module, pad_id: int) -> Iterator[None]:
             rows = batch[0]
             if x.shape[:-1].numel() != rows.total or linear.bias is not None:
                 raise RuntimeError("skip_padding: a linear layer saw other rows than the batch's")
-            return _RealRowsLinear.apply(x, linear.weight, rows, weight_grads)
+            ahead = rows.ahead.pop(linear, None)
+            if ahead is not None and ahead[0] is x:
+                out = ahead[1]
+            else:
+                out = rows.product(x, linear.weight)
+                if linear in handoff:  # the same input's last projection, meanwhile on the worker
+                    last = handoff[linear]
+                    args = (rows.pack_shared(x), last.weight, rows.unpack)
+                    rows.ahead[last] = (x, pool.submit(_product, *args))
+            return _RealRowsLinear.apply(x, linear.weight, rows, weight_grads, out)
 
         return forward
 
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    handoff = _handoffs(model)
     threads = torch.get_num_threads()
     with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,)) as pool:
         weight_grads = _WeightGrads(pool)
