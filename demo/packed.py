@@ -4,16 +4,18 @@ About 40 % of a base batch's rows are padding (an expert's: 15-30 %) and almost 
 step is the linear layers' SGEMMs. With right padding and causal attention no real token sees a
 pad, and a pad's loss is ignored, so every pad row's gradient is zero. :func:`skip_padding` has
 each linear layer multiply only the real rows (forward and input gradient) and give the pad rows
-zeros; the weight gradient stays the full product, exactly the call of torch's own backward, in
-which the pad rows add zeros. A real row's result is then the same bits: MKL's SGEMM rounds a row
-the same whatever the other rows, provided the row count is a multiple of :data:`ROW_MULTIPLE`
-(the padded batch's count, batch size × width, is one).
+zeros. A real row's result is then the same bits: MKL's SGEMM rounds a row the same whatever the
+other rows, provided the row count is a multiple of :data:`ROW_MULTIPLE` (the padded batch's
+count, batch size × width, is one). The weight gradient stays the full product, exactly the call
+of torch's own backward, in which the pad rows add zeros: it sums over the rows in blocks, and
+dropping rows would move the blocks' edges.
 
 The weight gradients need nothing that comes after them in the backward pass, so they run on a
-second thread while the backward pass goes on: each is the same single-threaded SGEMM call, so
-the same bits, and a second core takes a third of the SGEMM work off the critical path.
-`tests/test_demo_packed.py` checks the weights bit for bit against plain training under the
-demo's pins."""
+second thread while the backward pass goes on, and so does the last projection of an input that
+several read (value, up) while the main thread computes the others: each is the same
+single-threaded SGEMM call, so the same bits, and a second core takes about half the SGEMM work
+off the critical path. `tests/test_demo_packed.py` checks the weights bit for bit against plain
+training under the demo's pins."""
 
 from __future__ import annotations
 
@@ -154,8 +156,9 @@ def _handoffs(model: nn.Module) -> dict[nn.Linear, nn.Linear]:
 @contextmanager
 def skip_padding(model: nn.Module, pad_id: int) -> Iterator[None]:
     """While open, every linear layer of `model` multiplies only the real rows of the batch
-    (`input_ids` passed by keyword, right-padded with `pad_id`) and `backward()` computes its
-    weight gradient on a second thread, in `.grad` when the pass ends; restored on exit."""
+    (`input_ids` passed by keyword, right-padded with `pad_id`), some on a second thread, and
+    `backward()` computes the weight gradients there, in `.grad` when the pass ends; restored on
+    exit."""
     batch: list[_Rows] = []
 
     def on_call(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
