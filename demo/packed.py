@@ -174,11 +174,11 @@ def skip_padding(model: nn.Module, pad_id: int) -> Iterator[None]:
             if ahead is not None and ahead[0] is x:
                 out = ahead[1]
             else:
-                out = rows.product(x, linear.weight)
                 if linear in handoff:  # the same input's last projection, meanwhile on the worker
                     last = handoff[linear]
                     args = (rows.pack_shared(x), last.weight, rows.unpack)
                     rows.ahead[last] = (x, pool.submit(_product, *args))
+                out = rows.product(x, linear.weight)
             return _RealRowsLinear.apply(x, linear.weight, rows, weight_grads, out)
 
         return forward
