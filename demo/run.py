@@ -38,6 +38,7 @@ from demo.domains import DOMAIN_NAMES
 from demo.evaluation import DemoSettings, Evaluation, digest, evaluate
 from demo.evidence import NONE_LABEL, Point, collect, selection_outcomes
 from demo.evidence import markdown as evidence_markdown
+from demo.family import SCALES as TINY_SCALES
 from demo.family import build_family
 from demo.family_io import FamilyPaths
 from demo.generic import logit_shift, write_generic_prompts
@@ -64,16 +65,26 @@ console = Console()
 __all__ = ["DemoSettings", "run_demo"]
 
 
-def merge_with_surgery(
+def done_stamp(path: Path) -> Path:
+    """The file beside ``path`` holding the cache key it was made with."""
+    return path.with_name(path.name + ".done")
+
+
+def is_current(stamp: Path, key: str) -> bool:
+    """Whether what ``stamp`` marks was made with ``key`` (else it is made again)."""
+    return stamp.is_file() and stamp.read_text() == key
+
+
+def run_mergekit_yaml(
     config_path: Path, out_dir: Path, seed: int, fresh: bool, family_key: str = ""
 ) -> Path:
     """Run the stock `mergekit-yaml` console script (our startup hook adds the surgery).
 
     Cached by the config, the seed and `family_key` (the family's stamp): a rebuilt family
     (another recipe or other pins, same paths) is merged again."""
-    stamp = out_dir.with_name(out_dir.name + ".done")
+    stamp = done_stamp(out_dir)
     key = digest([config_path.read_text(), seed, family_key])
-    if not fresh and stamp.is_file() and stamp.read_text() == key and out_dir.is_dir():
+    if not fresh and is_current(stamp, key) and out_dir.is_dir():
         return out_dir
     shutil.rmtree(out_dir, ignore_errors=True)
     stamp.unlink(missing_ok=True)
@@ -94,11 +105,11 @@ def merge_with_surgery(
 def _build(settings: DemoSettings) -> FamilyPaths:
     """The tiny family (`full`/`tiny`) or a SmolLM2 family (`real`, `long`), cached under
     out/family."""
-    if settings.scale in ("real", "long"):
-        from demo.real_family import build_real_family
+    if settings.scale in TINY_SCALES:
+        return build_family(settings.out / "family", settings.seed, settings.scale)
+    from demo.real_family import build_real_family  # the SmolLM2 conversion's imports
 
-        return build_real_family(settings.out / "family", settings.seed, scale=settings.scale)
-    return build_family(settings.out / "family", settings.seed, settings.scale)
+    return build_real_family(settings.out / "family", settings.seed, scale=settings.scale)
 
 
 def individual_rows(settings: DemoSettings, family: FamilyPaths) -> list[Row]:
@@ -185,14 +196,14 @@ def _surgery_run(
         surgery_seed=surgery_seed,
     )
     config_path = write_config(config, settings.out / "configs" / f"{name}.yml")
-    merged = merge_with_surgery(
+    merged = run_mergekit_yaml(
         config_path,
         settings.out / "merges" / name,
         settings.seed,
         settings.fresh,
         family.stamp.read_text(),
     )
-    key = (merged.with_name(merged.name + ".done")).read_text()
+    key = done_stamp(merged).read_text()
     return merged, read_manifest(surgery_dir(merged)), key
 
 
@@ -202,9 +213,9 @@ def _position_figures(settings: DemoSettings, family: FamilyPaths, method: str) 
 
     merged = settings.out / "merges" / method
     paths = [settings.out / "figures" / f"{method}_position_bias.{x}" for x in SUFFIXES]
-    stamp = paths[0].with_name(paths[0].name + ".done")
-    key = (merged.with_name(merged.name + ".done")).read_text()
-    if not settings.fresh and stamp.is_file() and stamp.read_text() == key:
+    stamp = done_stamp(paths[0])
+    key = done_stamp(merged).read_text()
+    if not settings.fresh and is_current(stamp, key):
         return paths
     paths = position_figures(settings.out, merged, family, cont_suffix=WHOLE_ANSWER_SUFFIX)
     stamp.write_text(key)
@@ -299,11 +310,10 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     add_deltas(rows)
     cells = _verdict_cells(settings, rows)
     tables = [markdown_table(rows)]
-    if settings.long_answers:
-        add_long_deltas(rows)
-        tables.append(long_table(rows))
     figures = bias_figures(settings, settings.methods[0])
     if settings.long_answers:  # answers reach past what the calibration prompts cover
+        add_long_deltas(rows)
+        tables.append(long_table(rows))
         figures += [p for m in settings.methods for p in _position_figures(settings, family, m)]
     table = "\n\n".join([*tables, shift_table(shifts)])
     regime_numbers = regime(rows)

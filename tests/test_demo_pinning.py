@@ -40,7 +40,7 @@ def test_merge_subprocess_gets_the_pins(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(run.subprocess, "run", fake_run)
     config = tmp_path / "m.yml"
     config.write_text("merge_method: linear\n")
-    run.merge_with_surgery(config, tmp_path / "out", seed=0, fresh=True)
+    run.run_mergekit_yaml(config, tmp_path / "out", seed=0, fresh=True)
     assert {k: seen[k] for k in PINS} == PINS
 
 
@@ -57,7 +57,7 @@ def test_a_merge_is_redone_for_a_rebuilt_family(
     config = tmp_path / "m.yml"
     config.write_text("merge_method: linear\n")
     for family_key in ("family A", "family A", "family B"):
-        run.merge_with_surgery(config, tmp_path / "out", 0, False, family_key)
+        run.run_mergekit_yaml(config, tmp_path / "out", 0, False, family_key)
     assert len(runs) == 2  # the same family is a cache hit; another one is merged again
 
 
