@@ -29,3 +29,11 @@ def test_exponent_form_writes_a_rate_as_the_docs_do() -> None:
         "3e-5",
         "1e0",
     ]
+
+
+def test_the_demo_trains_with_the_blocks_steps() -> None:
+    """`python -m demo --steps` restates the default (it must not import torch before its pins)."""
+    from demo.__main__ import main
+
+    (steps,) = [p for p in main.params if p.name == "steps"]
+    assert steps.default == default("steps")
