@@ -1,12 +1,12 @@
 """Which held-out metric predicts the task score, and does `select` find the best fixed variant?
 
-Each `select` task of the demo trains the fixed variants above it as candidates and measures
-them on calibration prompts they did not train on (every prompt once over the default's folds, or
-a held-out share); with refit, the module it saves is
-byte for byte the fixed variant it chose. So every fixed variant's exact match can be paired
-with its candidate's held-out numbers, and the unrepaired merge (the `{module: none}` candidate)
-with the "before" numbers, per merge and domain. Numbers from prompt-only and completion calibration are not comparable (other
-token sets), so each calibration group is analysed on its own.
+Each `select` task of the demo trains the fixed variants above it as candidates and measures them
+on calibration prompts they did not train on (every prompt once over the default's folds, or a
+held-out share); with refit, the module it saves is byte for byte the fixed variant it chose. So
+every fixed variant's exact match can be paired with its candidate's held-out numbers, and the
+unrepaired merge (the `{module: none}` candidate) with the "before" numbers, per merge and domain.
+Numbers from prompt-only and completion calibration are not comparable (other token sets), so each
+calibration group is analysed on its own.
 
 The verdict's per-prompt numbers on the target's completions of the held-out prompts
 (calibrate.verdict) are kept with each point, so :func:`verdict_outcomes` can say what the verdict
@@ -99,19 +99,12 @@ def _before(held: dict[str, Any] | None, none: dict[str, Any]) -> dict[str, floa
     """The merge's own held-out numbers: the held-out share's "before" values, or, when every
     prompt was judged in a fold (no held-out share), the `none` candidate's pooled ones."""
     if held is None:
+        agreement, kl = none["agreement"], none["kl"]
         completion = none.get("completion", {}).get("agreement")
-        return {
-            "agreement": none["agreement"],
-            "kl": none["kl"],
-            "rho_l1": 0.0,
-            "completion_agreement": completion,
-        }
-    return {
-        "agreement": held["all"]["agreement_before"],
-        "kl": held["all"]["kl_before"],
-        "rho_l1": 0.0,
-        "completion_agreement": held.get("completion", {}).get("agreement_before"),
-    }
+    else:
+        agreement, kl = held["all"]["agreement_before"], held["all"]["kl_before"]
+        completion = held.get("completion", {}).get("agreement_before")
+    return {"agreement": agreement, "kl": kl, "rho_l1": 0.0, "completion_agreement": completion}
 
 
 def _spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
