@@ -23,9 +23,11 @@ import copy
 import hashlib
 import itertools
 import json
+import multiprocessing
 import random
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -121,20 +123,44 @@ def build_real_family(
     raw = {d: disjoint_splits(tokenizer, d, seed, recipe, spec.domains) for d in DOMAIN_NAMES}
     write_data(paths, {d: _templated(tokenizer, s) for d, s in raw.items()})
     write_tasks(paths, END_OF_TURN, spec.max_gen_toks)
-    losses = {}
-    with build_environment(progress):
-        pretrained = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        for domain, folder in paths.experts.items():
-            rng = random.Random(f"darts-demo-{scale}:{seed}:{domain}")
-            held_out = raw[domain].held_out()
-            items = training_items(rng, domain, recipe.train_items, held_out, spec.domains)
-            batches = cached_batches(pretrained, tokenizer, items, recipe)
-            torch.manual_seed(seed)
-            expert, losses[domain] = fine_tune_top(pretrained, batches, recipe, progress, domain)
-            save_model(expert, tokenizer, folder)
+    if progress:
+        tqdm.write(f"training the {len(paths.experts)} experts, one process each")
+    # spawn: a fresh interpreter that starts torch under this process's environment (the pins);
+    # each expert is single-threaded, so it gets the bits a sequential build would
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(len(paths.experts), mp_context=context) as pool:
+        futures = {
+            domain: pool.submit(
+                _train_expert, paths, recipe, seed, scale, domain, raw[domain].held_out()
+            )
+            for domain in paths.experts
+        }
+        losses = {domain: future.result() for domain, future in futures.items()}
     seconds = time.perf_counter() - start
     write_stamp(paths, recipe, seed, scale, recipe_hash, losses, seconds)
     return paths
+
+
+def _train_expert(
+    paths: FamilyPaths,
+    recipe: RealRecipe,
+    seed: int,
+    scale: str,
+    domain: str,
+    held_out: frozenset[str],
+) -> float:
+    """Fine-tune one expert of `scale` from the pretrained checkpoint and save it; its last loss."""
+    base = paths.base
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    with build_environment(progress=False):
+        pretrained = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        rng = random.Random(f"darts-demo-{scale}:{seed}:{domain}")
+        items = training_items(rng, domain, recipe.train_items, held_out, SCALES[scale].domains)
+        batches = cached_batches(pretrained, tokenizer, items, recipe)
+        torch.manual_seed(seed)
+        expert, loss = fine_tune_top(pretrained, batches, recipe, False, domain)
+        save_model(expert, tokenizer, paths.experts[domain])
+    return loss
 
 
 def disjoint_splits(
