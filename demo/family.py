@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import random
 import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -57,6 +56,7 @@ from demo.family_io import (
     is_complete,
     optimizer_step,
     save_model,
+    train_experts,
     write_data,
     write_stamp,
     write_tasks,
@@ -149,17 +149,8 @@ def _train_family(
     batches = _base_batches(random.Random(f"darts-demo:{seed}:base"), tokenizer, recipe, held_out)
     losses = {"base": _train(base, batches, recipe.base_steps, recipe.base_lr, recipe, progress)}
     save_model(base, tokenizer, paths.base)
-    if progress:
-        tqdm.write(f"training the {len(paths.experts)} experts, one process each")
-    # spawn: a fresh interpreter that starts torch under this process's environment (the pins)
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(len(paths.experts), mp_context=context) as pool:
-        futures = {
-            domain: pool.submit(_train_expert, paths, recipe, seed, domain, held_out[domain])
-            for domain in paths.experts
-        }
-        losses.update({domain: future.result() for domain, future in futures.items()})
-    return losses
+    train = partial(_train_expert, paths, recipe, seed)
+    return losses | train_experts(paths, train, held_out, progress)
 
 
 def _train_expert(

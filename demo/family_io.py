@@ -10,7 +10,9 @@ same way through `FamilyPaths`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+import multiprocessing
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import transformers
 import yaml
+from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
@@ -90,6 +93,23 @@ def build_environment(progress: bool) -> Iterator[None]:
         torch.set_num_threads(threads)
         if bars and not progress:
             hf_logging.enable_progress_bar()
+
+
+def train_experts(
+    paths: FamilyPaths,
+    train: Callable[[str, frozenset[str]], float],
+    held_out: Mapping[str, frozenset[str]],
+    progress: bool,
+) -> dict[str, float]:
+    """`train(domain, held_out[domain])` for every expert at once, one process each; their last
+    losses. Each process is single-threaded, so an expert gets the bits a sequential build would."""
+    if progress:
+        tqdm.write(f"training the {len(paths.experts)} experts, one process each")
+    # spawn: a fresh interpreter that starts torch under this process's environment (the pins)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(len(paths.experts), mp_context=context) as pool:
+        futures = {d: pool.submit(train, d, held_out[d]) for d in paths.experts}
+        return {domain: future.result() for domain, future in futures.items()}
 
 
 def write_data(paths: FamilyPaths, splits: Mapping[str, Splits]) -> None:

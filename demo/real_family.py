@@ -23,12 +23,11 @@ import copy
 import hashlib
 import itertools
 import json
-import multiprocessing
 import random
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,6 +50,7 @@ from demo.family_io import (
     is_complete,
     optimizer_step,
     save_model,
+    train_experts,
     write_data,
     write_stamp,
     write_tasks,
@@ -123,19 +123,9 @@ def build_real_family(
     raw = {d: disjoint_splits(tokenizer, d, seed, recipe, spec.domains) for d in DOMAIN_NAMES}
     write_data(paths, {d: _templated(tokenizer, s) for d, s in raw.items()})
     write_tasks(paths, END_OF_TURN, spec.max_gen_toks)
-    if progress:
-        tqdm.write(f"training the {len(paths.experts)} experts, one process each")
-    # spawn: a fresh interpreter that starts torch under this process's environment (the pins);
-    # each expert is single-threaded, so it gets the bits a sequential build would
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(len(paths.experts), mp_context=context) as pool:
-        futures = {
-            domain: pool.submit(
-                _train_expert, paths, recipe, seed, scale, domain, raw[domain].held_out()
-            )
-            for domain in paths.experts
-        }
-        losses = {domain: future.result() for domain, future in futures.items()}
+    held_out = {d: s.held_out() for d, s in raw.items()}
+    train = partial(_train_expert, paths, recipe, seed, scale)
+    losses = train_experts(paths, train, held_out, progress)
     seconds = time.perf_counter() - start
     write_stamp(paths, recipe, seed, scale, recipe_hash, losses, seconds)
     return paths
