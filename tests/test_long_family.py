@@ -4,7 +4,8 @@ Its answers run past 48 tokens, so what the build relies on is checked where the
 long and of unequal length: the top layers fed their cached inputs (right-padded batches of
 prompt + answer) compute what the whole model computes on each item alone (float64 reference);
 each training item's loss ends on the end-of-turn token; the evaluation items are templated and
-their generation stops at the end-of-turn token with room for the longest answer.
+their generation stops at the end-of-turn token with room for the longest answer; the same seed
+builds the same bytes.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def tokenizer():
 def family(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("long")
     return build_real_family(root, seed=0, progress=False, recipe=SMALL, scale="long")
+
+
+def test_the_same_seed_builds_the_same_bytes(family, tmp_path) -> None:
+    """A second build of the long scale, seed 0: its experts and data files equal the first's."""
+    again = build_real_family(tmp_path, seed=0, progress=False, recipe=SMALL, scale="long")
+    for domain in DOMAIN_NAMES:
+        weights = [f.experts[domain] / "model.safetensors" for f in (family, again)]
+        assert weights[0].read_bytes() == weights[1].read_bytes(), domain
+        for path in (family.calib_file(domain), family.eval_file(domain)):
+            assert path.read_bytes() == (again.data / path.name).read_bytes(), path.name
 
 
 def _items(domain: str) -> list:
