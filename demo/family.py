@@ -154,7 +154,12 @@ def _train_family(
 
 
 def _train_expert(
-    paths: FamilyPaths, recipe: Recipe, seed: int, domain: str, held_out: frozenset[str]
+    paths: FamilyPaths,
+    recipe: Recipe,
+    seed: int,
+    domain: str,
+    held_out: frozenset[str],
+    bar: int | None,
 ) -> float:
     """Fine-tune one expert from the saved base (bit for bit the trained base: the file is its
     float32 weights, and fine-tuning draws no random numbers from torch), save it; its last loss."""
@@ -164,7 +169,8 @@ def _train_expert(
         expert.load_state_dict(load_file(paths.base / "model.safetensors"))
         rng = random.Random(f"darts-demo:{seed}:{domain}")
         batches = _expert_batches(rng, tokenizer, recipe, domain, held_out)
-        loss = _train(expert, batches, recipe.expert_steps, recipe.expert_lr, recipe, False, domain)
+        steps, lr = recipe.expert_steps, recipe.expert_lr
+        loss = _train(expert, batches, steps, lr, recipe, bar is not None, domain, bar)
         save_model(expert, tokenizer, paths.experts[domain])
     return loss
 
@@ -252,14 +258,18 @@ def _train(
     recipe: Recipe,
     progress: bool,
     name: str = "base",
+    bar_line: int | None = None,
 ) -> float:
-    """AdamW with warmup + cosine decay; returns the last step's loss."""
+    """AdamW with warmup + cosine decay; returns the last step's loss (`bar_line`: the terminal
+    line of the step bar, for bars of parallel processes)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, int(recipe.warmup_fraction * steps))
     schedule = get_cosine_schedule_with_warmup(optimizer, warmup, steps)
     model.train()
     loss = torch.tensor(float("nan"))
-    bar = tqdm(range(steps), desc=f"train {name}", disable=not progress, leave=False)
+    bar = tqdm(
+        range(steps), desc=f"train {name}", disable=not progress, leave=False, position=bar_line
+    )
     with skip_padding(model, model.config.pad_token_id):
         for step, (input_ids, labels) in zip(bar, batches, strict=False):
             loss = model(input_ids=input_ids, labels=labels).loss

@@ -97,18 +97,22 @@ def build_environment(progress: bool) -> Iterator[None]:
 
 def train_experts(
     paths: FamilyPaths,
-    train: Callable[[str, frozenset[str]], float],
+    train: Callable[[str, frozenset[str], int | None], float],
     held_out: Mapping[str, frozenset[str]],
     progress: bool,
 ) -> dict[str, float]:
-    """`train(domain, held_out[domain])` for every expert at once, one process each; their last
-    losses. Each process is single-threaded, so an expert gets the bits a sequential build would."""
+    """`train(domain, held_out[domain], bar)` for every expert at once, one process each; their
+    last losses. `bar` is the terminal line of the process's step bar (None: no bar). Each process
+    is single-threaded, so an expert gets the bits a sequential build would."""
     if progress:
         tqdm.write(f"training the {len(paths.experts)} experts, one process each")
     # spawn: a fresh interpreter that starts torch under this process's environment (the pins)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(len(paths.experts), mp_context=context) as pool:
-        futures = {d: pool.submit(train, d, held_out[d]) for d in paths.experts}
+        futures = {
+            d: pool.submit(train, d, held_out[d], line if progress else None)
+            for line, d in enumerate(paths.experts)
+        }
         return {domain: future.result() for domain, future in futures.items()}
 
 

@@ -138,6 +138,7 @@ def _train_expert(
     scale: str,
     domain: str,
     held_out: frozenset[str],
+    bar: int | None,
 ) -> float:
     """Fine-tune one expert of `scale` from the pretrained checkpoint and save it; its last loss."""
     base = paths.base
@@ -148,7 +149,7 @@ def _train_expert(
         items = training_items(rng, domain, recipe.train_items, held_out, SCALES[scale].domains)
         batches = cached_batches(pretrained, tokenizer, items, recipe)
         torch.manual_seed(seed)
-        expert, loss = fine_tune_top(pretrained, batches, recipe, False, domain)
+        expert, loss = fine_tune_top(pretrained, batches, recipe, domain, bar)
         save_model(expert, tokenizer, paths.experts[domain])
     return loss
 
@@ -238,11 +239,12 @@ def fine_tune_top(
     pretrained: PreTrainedModel,
     batches: list[Cached],
     recipe: RealRecipe,
-    progress: bool,
     name: str,
+    bar_line: int | None,
 ) -> tuple[PreTrainedModel, float]:
     """AdamW with warmup + cosine decay on the top layers and the final norm, fed the cached
-    inputs; returns the pretrained model with those layers replaced, and the last step's loss."""
+    inputs; returns the pretrained model with those layers replaced, and the last step's loss
+    (`bar_line`: the terminal line of the step bar, for bars of parallel processes; None: none)."""
     top = top_model(pretrained, recipe.trainable_layers)
     head = pretrained.get_output_embeddings().weight  # tied to the input embeddings: frozen
     optimizer = torch.optim.AdamW(top.parameters(), lr=recipe.lr, weight_decay=0.01)
@@ -250,7 +252,13 @@ def fine_tune_top(
     schedule = get_cosine_schedule_with_warmup(optimizer, warmup, recipe.steps)
     top.train()
     loss = torch.tensor(float("nan"))
-    bar = tqdm(range(recipe.steps), desc=f"train {name}", disable=not progress, leave=False)
+    bar = tqdm(
+        range(recipe.steps),
+        desc=f"train {name}",
+        disable=bar_line is None,
+        leave=False,
+        position=bar_line,
+    )
     for step in bar:
         hidden, labels = batches[step % len(batches)]
         out = top(inputs_embeds=hidden).last_hidden_state
