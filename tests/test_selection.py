@@ -7,7 +7,12 @@ import torch
 
 from mergekit_darts import build_module
 from mergekit_darts.calibrate.capture import Captured
-from mergekit_darts.calibrate.selection import choose, held_out_metrics, holdout_split
+from mergekit_darts.calibrate.selection import (
+    choose,
+    cross_fitted_metrics,
+    held_out_metrics,
+    holdout_split,
+)
 from mergekit_darts.core.head import OutputHead
 
 N, T, H, V = 11, 9, 6, 13
@@ -38,6 +43,11 @@ def _logits64(head: OutputHead, h: torch.Tensor) -> torch.Tensor:
 
 def _reference(module, merged: Captured, target: Captured, counted: torch.Tensor) -> dict:
     """Token by token in float64: agreement, KL(target || merge), rho_L1, before and after."""
+    return _ratios(*_totals(module, merged, target, counted))
+
+
+def _totals(module, merged: Captured, target: Captured, counted: torch.Tensor) -> tuple[dict, int]:
+    """The float64 sums behind :func:`_reference`, and the tokens counted."""
     totals = dict.fromkeys(("agree_b", "agree_a", "kl_b", "kl_a", "d_b", "d_a"), 0.0)
     tokens = 0
     for i in range(N):
@@ -58,6 +68,10 @@ def _reference(module, merged: Captured, target: Captured, counted: torch.Tensor
                 totals[f"agree_{tag}"] += float(q.argmax() == p.argmax())
                 totals[f"kl_{tag}"] += float((p * (p.log() - q.log())).sum())
                 totals[f"d_{tag}"] += float((x - h_star).abs().mean())
+    return totals, tokens
+
+
+def _ratios(totals: dict, tokens: int) -> dict:
     return {
         "tokens": tokens,
         "agreement_before": totals["agree_b"] / tokens,
@@ -94,6 +108,33 @@ def test_held_out_metrics_match_a_float64_reference(pair):
         "kl": got.kl_after,
         "rho_l1": got.rho_l1,
     }
+
+
+def test_candidates_measured_together_pool_each_ones_folds(pair):
+    """Several candidates in one pass (sharing the head passes of the merge and the target) give
+    each candidate's own numbers: its fold modules on their folds' tokens, pooled; ``none`` is
+    the merge itself."""
+    merged, target, module = pair
+    other = build_module("standard", H, rank=2, max_positions=6, seed=1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    none = build_module("none", H)
+    first = merged.mask.clone()
+    first[6:] = False
+    second = merged.mask & ~first
+    second[8, 1] = False  # a token no fold counts
+    folds = [([module, none, other], first), ([other, none, module], second)]
+    got = cross_fitted_metrics(folds, merged, target)
+    for i, measured in enumerate(got):
+        parts = [_totals(modules[i], merged, target, counted) for modules, counted in folds]
+        totals = {key: sum(t[key] for t, _ in parts) for key in parts[0][0]}
+        want = _ratios(totals, sum(tokens for _, tokens in parts))
+        assert measured.tokens == want["tokens"]
+        for key in ("agreement_before", "agreement_after", "kl_before", "kl_after", "rho_l1"):
+            assert getattr(measured, key) == pytest.approx(want[key], rel=1e-5, abs=1e-6), (i, key)
+    assert got[1].rho_l1 == 0.0 and got[1].kl_after == got[1].kl_before
+    assert got[0].kl_after != got[1].kl_after
 
 
 def test_logit_metrics_are_none_without_a_checked_head_or_with_other_vocabularies(pair):

@@ -220,23 +220,26 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
     """
     task, select = run.task, run.task.select
     splits = _splits(run)
-    candidates, results, entries = task.candidates(), [], []
-    for candidate in candidates:
-        fits = _fit_splits(run, candidate, runtime, [train for train, _ in splits])
-        results.append(fits[0])
-        reason = next((r for fit in fits if (r := fit.divergence()) is not None), None)
+    candidates = task.candidates()
+    fits = [_fit_splits(run, c, runtime, [train for train, _ in splits]) for c in candidates]
+    reasons = [next((r for fit in f if (r := fit.divergence()) is not None), None) for f in fits]
+    converged = [f for f, reason in zip(fits, reasons, strict=True) if reason is None]
+    measured = iter(_judged_metrics(run, converged, splits) if converged else [])
+    entries = []
+    for candidate, candidate_fits, reason in zip(candidates, fits, reasons, strict=True):
         if reason is not None:
             entries.append(_diverged(task, candidate, reason))
             continue
-        held = _judged_metrics(run, fits, splits)
-        final = [fit.final_loss for fit in fits]
+        held = next(measured)
+        final = [fit.final_loss for fit in candidate_fits]
         entry = {**settings_of(candidate), "held_out": held, "final_loss": final[0]}
-        if len(fits) > 1:
+        if len(candidate_fits) > 1:
             entry["final_loss"] = final  # one per fold
         if run.held_completions is not None:
-            entry["verdict"] = _verdict_scores(run, fits, splits)
+            entry["verdict"] = _verdict_scores(run, candidate_fits, splits)
             held.update({name: mean(values) for name, values in entry["verdict"].items()})
         entries.append(entry)
+    results = [f[0] for f in fits]
     _require_one_converged(task, candidates, entries)
     decision = None
     if run.held_completions is None:
@@ -361,25 +364,29 @@ def _judged_record(run: TaskRun, splits: list[tuple[torch.Tensor, torch.Tensor]]
 
 def _judged_metrics(
     run: TaskRun,
-    fits: list[TrainResult],
+    fits: list[list[TrainResult]],
     splits: list[tuple[torch.Tensor, torch.Tensor]],
-) -> dict[str, Any]:
-    """The selection metrics of one candidate on its judged rows (pooled over folds): on its loss
-    positions, and on the completion tokens alone when there are completions."""
-    modules = [fit.module for fit in fits]
+) -> list[dict[str, Any]]:
+    """The selection metrics of each candidate (its fits, one per split) on its judged rows,
+    pooled over folds: on its loss positions, and on the completion tokens alone when there are
+    completions. All candidates are measured together, sharing the head passes of the merge and
+    the target."""
     judged = [rows for _, rows in splits]
 
-    def pooled(mask: torch.Tensor) -> HeldOut | None:
-        parts = [(m, in_rows(mask, rows)) for m, rows in zip(modules, judged, strict=True)]
-        if not any(counted.any() for _, counted in parts):
+    def pooled(mask: torch.Tensor) -> list[HeldOut] | None:
+        folds = [
+            ([candidate[fold].module for candidate in fits], in_rows(mask, rows))
+            for fold, rows in enumerate(judged)
+        ]
+        if not any(counted.any() for _, counted in folds):
             return None
-        return cross_fitted_metrics(parts, run.merged, run.target)
+        return cross_fitted_metrics(folds, run.merged, run.target)
 
-    held = pooled(run.loss_mask()).summary()  # the task's loss positions: one set for all
+    held = [h.summary() for h in pooled(run.loss_mask())]  # one set for all
     if run.completion_mask is not None:
         completion = pooled(run.merged.mask & run.completion_mask.to(run.merged.mask.device))
-        if completion is not None:
-            held["completion"] = completion.summary()
+        for entry, measured in zip(held, completion or [], strict=False):
+            entry["completion"] = measured.summary()
     return held
 
 

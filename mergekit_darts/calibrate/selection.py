@@ -85,21 +85,27 @@ def held_out_metrics(
     module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor
 ) -> HeldOut:
     """Agreement, KL and rho_L1 before / after ``module`` over the ``counted`` [N, T] tokens."""
-    return cross_fitted_metrics([(module, counted)], merged, target)
+    return cross_fitted_metrics([([module], counted)], merged, target)[0]
 
 
 @torch.no_grad()
 def cross_fitted_metrics(
-    parts: Sequence[tuple[SurgeryModule, torch.Tensor]], merged: Captured, target: Captured
-) -> HeldOut:
-    """:func:`held_out_metrics` pooled over ``(module, counted)`` parts: each fold's module on
-    the tokens it did not train on; the sums are pooled, so every token weighs the same."""
+    folds: Sequence[tuple[Sequence[SurgeryModule], torch.Tensor]],
+    merged: Captured,
+    target: Captured,
+) -> list[HeldOut]:
+    """:func:`held_out_metrics` of several candidates, pooled over ``(modules, counted)`` folds:
+    each fold's module of each candidate on the tokens it did not train on; the sums are pooled,
+    so every token weighs the same. The target's logits and the merge's own are computed once
+    per token for every candidate (a ``none`` module is the merge itself): the LM head, the
+    costly part, runs 2 + corrections times per token, not 3 x candidates."""
     with_logits = logits_comparable(merged, target)
-    sums = torch.zeros(6, dtype=torch.float64)  # agree b/a, kl b/a, delta b/a
+    count = len(folds[0][0])
+    sums = torch.zeros(count, 6, dtype=torch.float64)  # per candidate: agree b/a, kl b/a, delta b/a
     tokens = 0
     device = merged.hidden.device
-    for module, counted in parts:
-        module = module.eval()
+    for modules, counted in folds:
+        modules = [module.eval() for module in modules]
         counted = counted.to(device=device, dtype=torch.bool)
         for start in range(0, counted.shape[0], ROWS_PER_STEP):
             rows = slice(start, start + ROWS_PER_STEP)
@@ -108,20 +114,43 @@ def cross_fitted_metrics(
                 continue
             h = merged.hidden[rows][keep].to(torch.float32)  # [P, H]
             h_star = target.hidden[rows][keep].to(torch.float32)
-            h_hat = module(h, positions_of(merged.mask[rows])[keep])
+            positions = positions_of(merged.mask[rows])[keep]
+            corrected = [None if m.kind == "none" else m(h, positions) for m in modules]
             tokens += h.shape[0]
-            sums[4] += delta(h, h_star).sum().double()
-            sums[5] += delta(h_hat, h_star).sum().double()
+            before = delta(h, h_star).sum().double()
+            sums[:, 4] += before
+            for i, h_hat in enumerate(corrected):
+                sums[i, 5] += before if h_hat is None else delta(h_hat, h_star).sum().double()
             if with_logits:
                 for part in logit_chunks(h.shape[0]):
                     target_logits = target.head.logits(h_star[part])
                     best = target_logits.argmax(-1)
-                    for i, x in enumerate((h[part], h_hat[part])):
-                        logits = merged.head.logits(x)
-                        sums[i] += (logits.argmax(-1) == best).sum().double()
-                        sums[2 + i] += token_kl(target_logits, logits).sum().double()
+                    own = _agreement_kl(merged.head.logits(h[part]), best, target_logits)
+                    sums[:, 0] += own[0]
+                    sums[:, 2] += own[1]
+                    for i, h_hat in enumerate(corrected):
+                        after = own
+                        if h_hat is not None:
+                            after = _agreement_kl(
+                                merged.head.logits(h_hat[part]), best, target_logits
+                            )
+                        sums[i, 1] += after[0]
+                        sums[i, 3] += after[1]
     if tokens == 0:
         raise ValueError("no held-out token to measure on")
+    return [_held_out(tokens, row, with_logits) for row in sums]
+
+
+def _agreement_kl(
+    logits: torch.Tensor, best: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-1 agreements with ``best``, summed KL(target || logits)) of one chunk, float64."""
+    agree = (logits.argmax(-1) == best).sum().double()
+    return agree, token_kl(target_logits, logits).sum().double()
+
+
+def _held_out(tokens: int, sums: torch.Tensor, with_logits: bool) -> HeldOut:
+    """One candidate's :class:`HeldOut` from its pooled sums (agree b/a, kl b/a, delta b/a)."""
     rho = rho_from_sums(sums[4], sums[5])
     if not with_logits:
         return HeldOut(tokens, rho)
