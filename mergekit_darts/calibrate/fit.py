@@ -385,8 +385,9 @@ def _judged_metrics(
     held = [h.summary() for h in pooled(run.loss_mask())]  # one set for all
     if run.completion_mask is not None:
         completion = pooled(run.merged.mask & run.completion_mask.to(run.merged.mask.device))
-        for entry, measured in zip(held, completion or [], strict=False):
-            entry["completion"] = measured.summary()
+        if completion is not None:
+            for entry, measured in zip(held, completion, strict=True):
+                entry["completion"] = measured.summary()
     return held
 
 
