@@ -8,7 +8,9 @@ Pooled over families, two numbers judge the verdict:
 
 - safety: cells where the default is significantly below no surgery (should be none);
 - power: over the cells where one of its candidates is significantly better than no surgery,
-  the mean share of that candidate's gain the default recovers.
+  the mean share of that candidate's gain the default recovers;
+- and what any such verdict could reach: over the same cells, the mean of the most power the
+  verdict's test can have to see that gain on the judged prompts (:func:`exact_test_ceiling`).
 """
 
 from __future__ import annotations
@@ -17,17 +19,61 @@ import argparse
 import json
 import statistics
 from collections.abc import Mapping, Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+from scipy.stats import binom
 
 from demo.configs import NO_CORRECTION, SELECT, Variant, fixed_variant, surgery_task
 from demo.domains import DOMAIN_NAMES
 from demo.evaluation import Evaluation
 from demo.report import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, Row, delta_cell, item_differences
 from mergekit_darts.analysis.stats import seeded_bootstrap
+from mergekit_darts.calibrate.verdict import signed_rank_test
 from mergekit_darts.manifest import Manifest
 
 NONE_KEPT = "none"
+BREAK_RATE_STEPS = 400  # exact_test_ceiling searches break rates in steps of 1 / this
+
+
+@cache
+def _fewest_better(changed: int, level: float) -> int | None:
+    """The fewest of ``changed`` 0/1 prompt outcomes that must go up (the rest down) for the
+    verdict's test to pass at ``level``; None when none suffices."""
+    for better in range(changed + 1):
+        up = [1.0] * better + [0.0] * (changed - better)
+        if signed_rank_test(up, [1.0 - x for x in up])["p"] <= level:
+            return better
+    return None
+
+
+def exact_test_ceiling(gain: float, prompts: int, level: float) -> float:
+    """The most power the verdict's test (on 0/1 outcomes the exact sign test, McNemar's) has at
+    ``level`` over ``prompts`` judged prompts, when each prompt's outcome moves as an evaluation
+    item's exact match does under a correction that gains ``gain`` (a share, 0 < gain <= 1): up
+    with probability ``gain + q``, down with ``q``, maximised over the break rate ``q``.
+
+    Why: it says how much of a gain any verdict that keeps only what an exact test at its level
+    shows could recover with this many prompts, so the power figure has a yardstick."""
+    if not 0 < gain <= 1:
+        raise ValueError(f"gain {gain} is not a share in (0, 1]")
+    changed = np.arange(prompts + 1)
+    need = [_fewest_better(int(m), level) for m in changed]
+    passes = np.array([k is not None for k in need])
+    need_up = np.array([k if k is not None else 0 for k in need])
+    best = 0.0
+    for step in range(BREAK_RATE_STEPS + 1):
+        down = step / BREAK_RATE_STEPS
+        moved = gain + 2 * down
+        if moved > 1:
+            break
+        power = binom.pmf(changed, prompts, moved) * binom.sf(
+            need_up - 1, changed, (gain + down) / moved
+        )
+        best = max(best, float(power[passes].sum()))
+    return best
 
 
 def _difference(
@@ -77,9 +123,16 @@ def cells(
                         "fixed": fixed,
                         "default": _difference(_seeds(default), none, domain),
                         "kept": [_kept(m, select, domain) for m in seed_manifests],
+                        "judged": _judged(seed_manifests[0], select, domain),
                     }
                 )
     return out
+
+
+def _judged(manifest: Manifest, select: Variant, domain: str) -> dict[str, Any]:
+    """How many prompts the verdict judged and at what level (each correction's test)."""
+    detectable = manifest.tasks[surgery_task(domain) + select.suffix].selection["detectable"]
+    return {"prompts": detectable["prompts"], "level": detectable["level"]}
 
 
 def _seeds(row: Row) -> dict[int, Evaluation]:
@@ -89,17 +142,22 @@ def _seeds(row: Row) -> dict[int, Evaluation]:
 def judged(cell_records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Safety and power over cells (see the module docstring)."""
     below = [c for c in cell_records if c["default"]["direction"] == "worse"]
-    shares = []
+    shares, ceilings = [], []
     for cell in cell_records:
         better = [f for f in cell["fixed"].values() if f["direction"] == "better"]
         if better:
             gain = max(f["mean"] for f in better)
             shares.append(cell["default"]["mean"] / gain)
+            judged_at = cell["judged"]
+            ceilings.append(
+                exact_test_ceiling(gain / 100, judged_at["prompts"], judged_at["level"])
+            )
     return {
         "cells": len(cell_records),
         "default_below_none": len(below),
         "cells_with_a_significant_candidate": len(shares),
         "mean_share_recovered": statistics.fmean(shares) if shares else None,
+        "mean_exact_test_ceiling": statistics.fmean(ceilings) if ceilings else None,
     }
 
 
@@ -134,16 +192,22 @@ def markdown(named: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
                 + " |"
             )
     total = judged([c for records in named.values() for c in records])
-    share = total["mean_share_recovered"]
+    share, ceiling = total["mean_share_recovered"], total["mean_exact_test_ceiling"]
     lines += [
         "",
         f"Cells: {total['cells']}. The default significantly below no surgery: "
         f"{total['default_below_none']}. Cells where a candidate is significantly better than no "
         f"surgery: {total['cells_with_a_significant_candidate']}; the default recovers "
-        + ("n/a" if share is None else f"{100 * share:.0f} %")
-        + " of that candidate's gain on average.",
+        + _percent(share)
+        + " of that candidate's gain on average. Yardstick: an exact test at the verdict's level "
+        "over as many prompts, each moving as the evaluation items' exact match did, sees that "
+        "gain at most " + _percent(ceiling) + " of the time on average.",
     ]
     return "\n".join(lines)
+
+
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.0f} %"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -156,8 +220,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not sep or not Path(path).is_file():
             parser.error(f"{run!r} is not FAMILY=RESULTS.json naming a file (run the demo first)")
         records = json.loads(Path(path).read_text()).get("verdict_cells")
-        if records is None:
-            parser.error(f"{path} has no verdict_cells: re-run the demo (cached: seconds) first")
+        if records is None or any("judged" not in c for c in records):
+            parser.error(
+                f"{path} has no verdict_cells with their judged prompts: re-run the demo "
+                "(cached: seconds) first"
+            )
         named[name] = records
     print(markdown(named))
 

@@ -117,6 +117,9 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
             selection = entry["tasks"][cell["domain"] + "_select"]["selection"]
             chosen = selection["candidates"][selection["chosen"]]
             assert (kept == "none") == (chosen["module"] == "none")
+            if seed == 0:  # the yardstick's prompts and level are the first seed's verdict's
+                judged = {k: selection["detectable"][k] for k in ("prompts", "level")}
+                assert cell["judged"] == judged
     verdict_md = (out / "verdict.md").read_text()
     assert verdict_md.count("| tiny, seed 0 | task_arithmetic | prompts |") == len(DOMAIN_NAMES)
     assert not (out / "selection.md").exists()  # the held-out study is --full only
