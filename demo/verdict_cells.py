@@ -4,12 +4,12 @@ Per cell: the best fixed row among the default's candidates (calibrated on the s
 exact-match difference from no surgery, the default's difference, and what the default kept on
 each surgery seed, with intervals over surgery seeds and items (report.py's two-level bootstrap
 and its rule: a difference counts when the interval excludes zero and every seed agrees).
-Pooled over families, two numbers judge the verdict:
+Pooled over families, two numbers judge the verdict, and a third measures them:
 
 - safety: cells where the default is significantly below no surgery (should be none);
 - power: over the cells where one of its candidates is significantly better than no surgery,
   the mean share of that candidate's gain the default recovers;
-- and what any such verdict could reach: over the same cells, the mean of the most power the
+- a yardstick for power, what any such verdict could reach: over the same cells, the mean of the most power the
   verdict's test can have to see that gain on the judged prompts (:func:`exact_test_ceiling`).
 """
 
