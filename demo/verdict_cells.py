@@ -41,12 +41,20 @@ BREAK_RATE_STEPS = 400  # exact_test_ceiling searches break rates in steps of 1 
 @cache
 def _fewest_better(changed: int, level: float) -> int | None:
     """The fewest of ``changed`` 0/1 prompt outcomes that must go up (the rest down) for the
-    verdict's test to pass at ``level``; None when none suffices."""
-    for better in range(changed + 1):
+    verdict's test to pass at ``level``; None when none suffices. Its p-value falls as more go
+    up, so a bisection finds it."""
+
+    def passes(better: int) -> bool:
         up = [1.0] * better + [0.0] * (changed - better)
-        if signed_rank_test(up, [1.0 - x for x in up])["p"] <= level:
-            return better
-    return None
+        return signed_rank_test(up, [1.0 - x for x in up])["p"] <= level
+
+    if not passes(changed):
+        return None
+    low, high = 0, changed  # passes(high); the answer lies in [low, high]
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if passes(middle) else (middle + 1, high)
+    return high
 
 
 def exact_test_ceiling(gain: float, prompts: int, level: float) -> float:
