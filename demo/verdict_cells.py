@@ -9,8 +9,9 @@ Pooled over families, two numbers judge the verdict, and a third measures them:
 - safety: cells where the default is significantly below no surgery (should be none);
 - power: over the cells where one of its candidates is significantly better than no surgery,
   the mean share of that candidate's gain the default recovers;
-- a yardstick for power, what any such verdict could reach: over the same cells, the mean of the most power the
-  verdict's test can have to see that gain on the judged prompts (:func:`exact_test_ceiling`).
+- a yardstick for power, what any such verdict could reach: over the same cells, the mean of the
+  most power the verdict's test can have to see that gain on the judged prompts
+  (:func:`exact_test_ceiling`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from demo.domains import DOMAIN_NAMES
 from demo.evaluation import Evaluation
 from demo.report import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, Row, delta_cell, item_differences
 from mergekit_darts.analysis.stats import seeded_bootstrap
-from mergekit_darts.calibrate.verdict import signed_rank_test
+from mergekit_darts.calibrate.verdict import fewest_changes, signed_rank_test
 from mergekit_darts.manifest import Manifest
 
 NONE_KEPT = "none"
@@ -41,14 +42,14 @@ BREAK_RATE_STEPS = 400  # exact_test_ceiling searches break rates in steps of 1 
 @cache
 def _fewest_better(changed: int, level: float) -> int | None:
     """The fewest of ``changed`` 0/1 prompt outcomes that must go up (the rest down) for the
-    verdict's test to pass at ``level``; None when none suffices. Its p-value falls as more go
-    up, so a bisection finds it."""
+    verdict's test to pass at ``level``; None when none suffices (fewer than
+    :func:`fewest_changes`). Its p-value falls as more go up, so a bisection finds it."""
 
     def passes(better: int) -> bool:
         up = [1.0] * better + [0.0] * (changed - better)
         return signed_rank_test(up, [1.0 - x for x in up])["p"] <= level
 
-    if not passes(changed):
+    if changed < fewest_changes(level):
         return None
     low, high = 0, changed  # passes(high); the answer lies in [low, high]
     while low < high:
@@ -68,9 +69,9 @@ def exact_test_ceiling(gain: float, prompts: int, level: float) -> float:
     if not 0 < gain <= 1:
         raise ValueError(f"gain {gain} is not a share in (0, 1]")
     changed = np.arange(prompts + 1)
-    need = [_fewest_better(int(m), level) for m in changed]
-    passes = np.array([k is not None for k in need])
-    need_up = np.array([k if k is not None else 0 for k in need])
+    # where no count passes, ask for one more than there are: its tail probability is 0
+    need = [_fewest_better(m, level) for m in range(prompts + 1)]
+    need_up = np.array([m + 1 if k is None else k for m, k in enumerate(need)])
     best = 0.0
     for step in range(BREAK_RATE_STEPS + 1):
         down = step / BREAK_RATE_STEPS
@@ -80,7 +81,7 @@ def exact_test_ceiling(gain: float, prompts: int, level: float) -> float:
         power = binom.pmf(changed, prompts, moved) * binom.sf(
             need_up - 1, changed, (gain + down) / moved
         )
-        best = max(best, float(power[passes].sum()))
+        best = max(best, float(power.sum()))
     return best
 
 
