@@ -33,7 +33,7 @@ _EXPORTS = {
     "SurgeryHandle": "apply",
     "apply_surgery": "apply",
     "load_surgery": "artifacts",
-    "SurgeryModule": "core.modules",
+    "SurgeryModule": "core.correction",
     "build_module": "core.modules",
     "run_surgery": "integrations.post_merge",
 }
@@ -50,7 +50,8 @@ __all__ = [
 if TYPE_CHECKING:
     from mergekit_darts.apply import SurgeryHandle, apply_surgery
     from mergekit_darts.artifacts import load_surgery
-    from mergekit_darts.core.modules import SurgeryModule, build_module
+    from mergekit_darts.core.correction import SurgeryModule
+    from mergekit_darts.core.modules import build_module
     from mergekit_darts.integrations.post_merge import run_surgery
 
 

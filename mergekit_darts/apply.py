@@ -36,8 +36,8 @@ from torch.utils.hooks import RemovableHandle
 from mergekit_darts.core.correction import (
     SURGERY,
     Correction,
-    DartsRoutedSurgery,
-    DartsSurgery,
+    RoutedSurgery,
+    SurgeryModule,
     corrected_head_input,
     enter_call,
     leave_call,
@@ -194,11 +194,11 @@ def apply_surgery(
 
     ``path`` is a ``surgery/`` folder (``task`` may be omitted when it holds one task; ``"routed"``
     applies every routed task's module behind the folder's router) or an already-built
-    :class:`DartsSurgery` / :class:`DartsRoutedSurgery`. A folder calibrated on other weights than
+    :class:`SurgeryModule` / :class:`RoutedSurgery`. A folder calibrated on other weights than
     the model's (its local folder, ``model.name_or_path``; else the one around ``path``) is refused.
     Surgery applied to ``model`` before is replaced. Returns a handle whose ``remove()`` undoes it.
     """
-    if isinstance(path, DartsSurgery | DartsRoutedSurgery):
+    if isinstance(path, SurgeryModule | RoutedSurgery):
         return SurgeryHandle(model, path.eval())
     weights = model_folder(model)
     module = _load(Path(path), task, weights)

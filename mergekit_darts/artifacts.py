@@ -19,9 +19,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from mergekit_darts.core.correction import load_state, state_shapes
-from mergekit_darts.core.modules import SurgeryModule
-from mergekit_darts.core.router import RoutedSurgery, Router
+from mergekit_darts.core.correction import (
+    RoutedSurgery,
+    Router,
+    SurgeryModule,
+    correction_module,
+    load_state,
+    state_shapes,
+)
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.fs import staged_folder
 from mergekit_darts.identity import weights_identity
@@ -40,7 +45,7 @@ from mergekit_darts.task_map import ROUTED
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
     """Tensor names and shapes of a module, from a fresh instance (one source of truth)."""
     with torch.device("meta"):
-        return state_shapes(SurgeryModule(kind, hidden_size, rank, max_positions).state_dict())
+        return state_shapes(correction_module(kind, hidden_size, rank, max_positions).state_dict())
 
 
 def read_manifest(folder: str | Path) -> Manifest:
@@ -131,7 +136,7 @@ def _load_module(folder: Path, manifest: Manifest, task: str) -> SurgeryModule:
 
     def build() -> SurgeryModule:
         try:
-            return SurgeryModule(kind, hidden_size, rank, max_positions)
+            return correction_module(kind, hidden_size, rank, max_positions)
         except ValueError as err:
             raise SurgeryFormatError(f"manifest entry of task {task!r}: {err}") from err
 

@@ -45,7 +45,8 @@ def positions_by_hand(mask: torch.Tensor) -> torch.Tensor:
 
 
 def corrected64(kind: str, state: dict[str, torch.Tensor], h: torch.Tensor, pos: torch.Tensor):
-    """h - correction(h, p) in float64, from the module kinds' formulas (paper 3.2, appendix E)."""
+    """h - correction(h, p) in float64, from the module kinds' formulas (paper 3.2, appendix E;
+    the plain kinds' linear map and channel scale)."""
     w = {k.removeprefix("darts_surgery."): v.double() for k, v in state.items()}
     h = h.double()
 
@@ -62,6 +63,10 @@ def corrected64(kind: str, state: dict[str, torch.Tensor], h: torch.Tensor, pos:
         delta = bottleneck(h, "down.weight", "up.weight") + rows("position_bias")
     elif kind == "add":
         delta = bottleneck(h + rows("position_embedding"), "down.weight", "up.weight")
+    elif kind == "head":  # h_hat = h - M h
+        delta = torch.einsum("ij,btj->bti", w["weight"], h)
+    elif kind == "norm":  # h_hat = s * h, stored as shift = 1 - s
+        delta = h * w["shift"]
     else:
         delta = bottleneck(h, "down.weight", "up.weight") + bottleneck(
             rows("position_embedding"), "position_down.weight", "position_up.weight"

@@ -13,7 +13,7 @@ from tiny import random_modules, write_surgery
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, load_surgery
-from mergekit_darts.core.correction import DartsSurgery
+from mergekit_darts.core.correction import correction_module
 from mergekit_darts.errors import SurgeryFormatError
 
 RANK, MAX_POSITIONS = 4, 6  # the prompt runs past the table: rows outside it get no position term
@@ -118,7 +118,7 @@ def test_the_head_called_outside_a_forward_call_is_left_alone(
 
 
 def test_an_export_is_not_corrected_twice(model: Any, surgery: Path) -> None:
-    model.darts_surgery = DartsSurgery("none", model.config.hidden_size, RANK, MAX_POSITIONS)
+    model.darts_surgery = correction_module("none", model.config.hidden_size, RANK, MAX_POSITIONS)
     with pytest.raises(ValueError, match="is a DARTS export that applies its own surgery"):
         apply_surgery(model, surgery, "math")
 

@@ -46,12 +46,12 @@ from mergekit_darts.artifacts import expected_shapes
 from mergekit_darts.calibrate.train import positions_of
 from mergekit_darts.cli import main
 from mergekit_darts.core.correction import (
-    DartsSurgery,
+    MODULE_KINDS,
     call_positions,
+    correction_module,
     head_positions,
     token_positions,
 )
-from mergekit_darts.core.modules import MODULE_KINDS
 from mergekit_darts.deploy import modeling_darts
 from mergekit_darts.deploy.export import MODELING_FILE, SHIPPED_FILES, export
 from mergekit_darts.deploy.modeling_darts import darts_section, weights_fingerprint
@@ -356,7 +356,7 @@ def test_head_positions_cut_as_the_model_cuts_its_hidden_states() -> None:
 def test_shipped_module_has_the_state_dicts_of_mergekit_darts_modules() -> None:
     assert modeling_darts.MODULE_KINDS == MODULE_KINDS
     for kind in MODULE_KINDS:
-        module = DartsSurgery(kind, 64, RANK, MAX_POSITIONS)
+        module = correction_module(kind, 64, RANK, MAX_POSITIONS)
         shapes = {k: tuple(v.shape) for k, v in sorted(module.state_dict().items())}
         assert shapes == expected_shapes(kind, 64, RANK, MAX_POSITIONS)
 

@@ -116,7 +116,7 @@ def test_logits_equal_apply_surgery_and_a_float64_reference(
     model = load(dest)
     plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     assert type(model).__name__ == "DartsLlamaForCausalLM"
-    assert type(model.darts_surgery).__name__ == "DartsRoutedSurgery"
+    assert type(model.darts_surgery).__name__ == "RoutedSurgery"
     with torch.no_grad():
         logits = model(**batch).logits
         last = model(**batch, logits_to_keep=1).logits

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mergekit_darts import build_module
-from mergekit_darts.core.modules import MODULE_KINDS
+from mergekit_darts.core.correction import MODULE_KINDS
 
 H, R, T_MAX = 16, 4, 8
 
@@ -25,7 +25,7 @@ def test_fresh_module_is_identity(kind):
     h = torch.randn(2, 10, H)  # positions past T_MAX included
     positions = torch.arange(10).expand(2, 10)
     assert torch.equal(module(h, positions), h)
-    if kind != "none":  # `none` has no weights at all
+    if hasattr(module, "up"):  # the bottleneck kinds start from a zero W_up
         assert torch.count_nonzero(module.up.weight) == 0
 
 
@@ -113,3 +113,24 @@ def test_bad_arguments_are_errors():
         build_module("standard", H, rank=0)
     with pytest.raises(ValueError, match="needs token positions"):
         build_module("pos_corr", H)(torch.zeros(1, 2, H))
+
+
+def test_every_kind_is_one_registered_class():
+    from mergekit_darts.core.correction import (
+        PLAIN_KINDS,
+        SurgeryModule,
+        correction_module,
+        register_kind,
+    )
+
+    classes = {kind: type(correction_module(kind, H, R, T_MAX)) for kind in MODULE_KINDS}
+    assert MODULE_KINDS == ("standard", "pos_corr", "add", "parallel", "none", "head", "norm")
+    assert PLAIN_KINDS == ("head", "norm")
+    assert len(set(classes.values())) == len(MODULE_KINDS)
+    assert all(issubclass(c, SurgeryModule) and c.kind == k for k, c in classes.items())
+
+    class Again(SurgeryModule):
+        kind = "standard"
+
+    with pytest.raises(ValueError, match="taken or reserved"):
+        register_kind(Again)

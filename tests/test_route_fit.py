@@ -25,7 +25,7 @@ from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.data import sha256_text
 from mergekit_darts.calibrate.fit_router import fit_router, route_classes
 from mergekit_darts.calibrate.selection import holdout_split
-from mergekit_darts.core.router import RoutedSurgery
+from mergekit_darts.core.correction import RoutedSurgery
 from mergekit_darts.manifest import ROUTER
 
 # Three clearly different word pools: two routed tasks and background text.

@@ -1,4 +1,4 @@
-"""Routing (core.router): the routed correction against a float64 reference written here, the
+"""Routing (core.correction): the routed correction against a float64 reference written here, the
 router file round trip, and every refusal of a router that does not fit."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery
 from mergekit_darts.artifacts import load_routed, load_surgery
+from mergekit_darts.core.correction import RoutedSurgery, Router
 from mergekit_darts.core.modules import build_module
-from mergekit_darts.core.router import RoutedSurgery, Router
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.task_map import check_task_name
 

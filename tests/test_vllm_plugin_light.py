@@ -100,7 +100,7 @@ def test_a_routed_and_a_none_config_read_as_a_single_one_does() -> None:
     again = pickle.loads(pickle.dumps(loaded))
     assert again.to_dict() == loaded.to_dict()
     surgery = modeling_darts.surgery_for(loaded)
-    assert type(surgery).__name__ == "DartsRoutedSurgery"
+    assert type(surgery).__name__ == "RoutedSurgery"
     assert sorted(surgery.state_dict()) == [
         "corrections.0.down.weight",
         "corrections.0.position_bias",

@@ -29,8 +29,8 @@ from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.calibrate.data import load_prompts
 from mergekit_darts.config import parse_surgery, resolve_tasks
 from mergekit_darts.config.schema import DEFAULT_FOLDS
-from mergekit_darts.core.modules import SurgeryModule, build_module
-from mergekit_darts.core.router import Router
+from mergekit_darts.core.correction import Router, SurgeryModule
+from mergekit_darts.core.modules import build_module
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
 

@@ -21,7 +21,7 @@ from test_vllm_plugin import (
     start_engine,
 )
 
-from mergekit_darts.core.router import RoutedSurgery
+from mergekit_darts.core.correction import RoutedSurgery, correction_module
 
 
 def test_the_routed_export(routed_exported) -> None:
@@ -71,7 +71,7 @@ def test_routed_and_none_surgery_tensors_load_and_are_checked() -> None:
 
     from tiny import random_module, random_router
 
-    from mergekit_darts.core.correction import DartsRoutedSurgery, DartsSurgery
+    from mergekit_darts.core.correction import RoutedSurgery
     from mergekit_darts.vllm_plugin.model import SURGERY, vllm_model_class
 
     cls = vllm_model_class("LlamaForCausalLM")
@@ -80,7 +80,7 @@ def test_routed_and_none_surgery_tensors_load_and_are_checked() -> None:
         for n, k in ROUTED_KINDS.items()
     ]
     model = SimpleNamespace()
-    setattr(model, SURGERY, DartsRoutedSurgery.zeros(tasks, True, HIDDEN))
+    setattr(model, SURGERY, RoutedSurgery.zeros(tasks, True, HIDDEN))
     modules = {
         n: random_module(k, HIDDEN, RANK, MAX_POSITIONS, seed=i)
         for i, (n, k) in enumerate(ROUTED_KINDS.items())
@@ -94,7 +94,7 @@ def test_routed_and_none_surgery_tensors_load_and_are_checked() -> None:
     without_router = {k: v for k, v in state.items() if not k.startswith("router.")}
     with pytest.raises(ValueError, match="do not match the routed module"):
         cls._load_surgery(model, without_router)
-    setattr(model, SURGERY, DartsSurgery("none", HIDDEN, RANK, MAX_POSITIONS))
+    setattr(model, SURGERY, correction_module("none", HIDDEN, RANK, MAX_POSITIONS))
     assert cls._load_surgery(model, {}) == set()
     assert getattr(model, SURGERY)(h, p) is h
     with pytest.raises(ValueError, match="do not match the none module"):

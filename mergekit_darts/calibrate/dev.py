@@ -22,7 +22,7 @@ from torch import nn
 from mergekit_darts.apply import SurgeryHandle
 from mergekit_darts.calibrate.runtime import LazyModel, Runtime, stage
 from mergekit_darts.calibrate.store import StoreStats
-from mergekit_darts.core.modules import SurgeryModule
+from mergekit_darts.core.correction import SurgeryModule
 
 
 @dataclass(frozen=True)

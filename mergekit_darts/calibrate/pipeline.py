@@ -63,7 +63,7 @@ from mergekit_darts.config import (
     resolve_tasks,
     route_tasks,
 )
-from mergekit_darts.core.router import NONE_CLASS
+from mergekit_darts.core.correction import NONE_CLASS
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.fs import inside, same_path
 from mergekit_darts.identity import weights_identity

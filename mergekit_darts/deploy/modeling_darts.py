@@ -38,9 +38,10 @@ from .darts_correction import (
     MODULE_KINDS,
     ROUTED,
     SURGERY,
-    DartsRoutedSurgery,
-    DartsSurgery,
+    RoutedSurgery,
+    SurgeryModule,
     corrected_head_input,
+    correction_module,
     enter_call,
     leave_call,
     positional_names,
@@ -253,7 +254,7 @@ def check_weights(folder: str | os.PathLike[str], darts: Mapping[str, Any]) -> N
 # ---- the module a config describes ------------------------------------------------------------
 
 
-def surgery_for(config: PretrainedConfig) -> DartsSurgery | DartsRoutedSurgery:
+def surgery_for(config: PretrainedConfig) -> SurgeryModule | RoutedSurgery:
     """The (zero) module a loaded config's ``darts`` section describes, checked against the model."""
     darts = darts_section(config)
     hidden_size = getattr(config.get_text_config(), "hidden_size", None)
@@ -264,8 +265,8 @@ def surgery_for(config: PretrainedConfig) -> DartsSurgery | DartsRoutedSurgery:
         )
     if darts["module"] == ROUTED:
         routed = darts["routed"]
-        return DartsRoutedSurgery.zeros(routed["tasks"], routed["background"], hidden_size)
-    return DartsSurgery(darts["module"], hidden_size, darts["rank"], darts["max_positions"])
+        return RoutedSurgery.zeros(routed["tasks"], routed["background"], hidden_size)
+    return correction_module(darts["module"], hidden_size, darts["rank"], darts["max_positions"])
 
 
 # ---- transformers classes ---------------------------------------------------------------------------

@@ -5,8 +5,8 @@ vLLM hands each token's absolute position in its own sequence to the model's ``f
 returns the final hidden states that ``compute_logits`` feeds to the LM head. So the subclass
 corrects exactly those: ``h - correction(h, p)`` in float32, cast back, with the module the
 exported folder describes, built by the shipped ``modeling_darts.py`` from
-:mod:`mergekit_darts.core.correction` (``DartsSurgery``, or for a routed export
-``DartsRoutedSurgery``: every task's module behind the per-token gate), the classes training and
+:mod:`mergekit_darts.core.correction` (``SurgeryModule``, or for a routed export
+``RoutedSurgery``: every task's module behind the per-token gate), the classes training and
 ``apply_surgery`` run. Each token is corrected from its own hidden state and position only, so
 nothing is carried across decoding steps; a ``none`` module is the identity and has no tensors.
 No model code is copied: one generic subclass per base class, built on first use by the module
