@@ -365,3 +365,86 @@ def test_a_rotary_model_has_no_position_limit(tiny_family):
     from mergekit_darts.config.preflight import model_shape
 
     assert model_shape(str(tiny_family.base), "base", trust_remote_code=False).max_positions is None
+
+
+def gpt2_merge(
+    tmp_path: Path,
+    calibration_data: Path,
+    surgery: dict[str, Any],
+    calibration: dict[str, Any],
+    task: dict[str, Any] | None = None,
+) -> tuple[Any, Path]:
+    """``mergekit-darts merge`` of the 16-position GPT-2 family with one task ``math``."""
+    family = gpt2_family(tmp_path)
+    source = {"path": str(calibration_data / "math.jsonl"), "field": "question"}
+    recipe = {
+        "merge_method": "linear",
+        "models": [
+            {"model": str(family["base"]), "parameters": {"weight": 0.5}},
+            {"model": str(family["math"]), "parameters": {"weight": 0.5}},
+        ],
+        "dtype": "float32",
+        "surgery": {
+            "max_positions": 16,
+            "steps": 5,
+            **surgery,
+            "tasks": [
+                {
+                    "name": "math",
+                    "target": str(family["math"]),
+                    "calibration": {**source, **calibration},
+                    **(task or {}),
+                }
+            ],
+        },
+    }
+    config = tmp_path / "merge.yml"
+    config.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "out"
+    return CliRunner().invoke(darts_cli, ["merge", str(config), str(out)]), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("calibration", "task", "expected"),
+    [
+        (  # the default verdict: 128 completion tokens cannot fit 16 positions at all
+            {"max_length": 16},
+            None,
+            "prompts of up to 16 tokens (max_length) plus the verdict's target completions of up "
+            "to 128 tokens (surgery.select.completion_tokens) exceed the 16 positions the base "
+            "model {base} has (max_position_embeddings, a learned position table); lower "
+            "max_length + surgery.select.completion_tokens to 16 or less, or set `select: off`",
+        ),
+        (  # a task's own select, with calibration completions taking part of max_length
+            {"max_length": 16, "continuation_tokens": 2},
+            {"select": {"completion_tokens": 4}},
+            "prompts of up to 14 tokens (max_length - continuation_tokens) plus the verdict's "
+            "target completions of up to 4 tokens (surgery.tasks[0].select.completion_tokens) "
+            "exceed the 16 positions the base model {base} has (max_position_embeddings, a "
+            "learned position table); lower surgery.tasks[0].select.completion_tokens to 2, or "
+            "lower max_length to 14, or set `select: off`",
+        ),
+    ],
+    ids=["default-select", "task-select-with-continuation"],
+)
+def test_verdict_completions_beyond_learned_positions_are_refused_before_merging(
+    tmp_path, calibration_data, calibration, task, expected
+):
+    result, out = gpt2_merge(tmp_path, calibration_data, {}, calibration, task)
+    line = one_line_error(result)
+    base = tmp_path / "base"
+    assert line == f"Error: surgery.tasks[0].calibration.max_length: {expected.format(base=base)}"
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+def test_verdict_completions_that_just_fit_learned_positions_run(tmp_path, calibration_data):
+    # 12 prompt tokens + 4 completion tokens fill the 16 positions exactly
+    result, out = gpt2_merge(
+        tmp_path, calibration_data, {"select": {"completion_tokens": 4}}, {"max_length": 12}
+    )
+    assert result.exit_code == 0, result.output
+    entry = read_manifest(surgery_dir(out)).to_dict()["tasks"]["math"]
+    assert max(entry["calibration"]["prompt_tokens"]) == 12
+    assert entry["selection"]["completion_tokens"] == 4

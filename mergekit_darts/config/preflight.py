@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mergekit_darts.config.parse import MIN_PROMPT_TOKENS
 from mergekit_darts.config.resolve import ResolvedTask
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig
 from mergekit_darts.core.losses import LOGIT_LOSSES
@@ -172,6 +173,7 @@ def check_targets(
         _check_rank(task, ref_shape.hidden_size, reference_label)
         for label, limit in ((reference_label, ref_shape), (f"target {task.target}", shape)):
             _check_length(f"{task.key}.calibration", task.calibration, limit, label)
+            _check_verdict_length(task, limit, label)
         if check_vocab:
             tokens = _tokenizer_facts(where, trust_remote_code)
             _check_vocab(
@@ -234,6 +236,34 @@ def _check_length(key: str, cal: CalibrationConfig, shape: ModelShape, label: st
             f"the {label} has (max_position_embeddings, a learned position table); lower "
             f"max_length to {shape.max_positions} or less"
         )
+
+
+def _check_verdict_length(task: ResolvedTask, shape: ModelShape, label: str) -> None:
+    """The verdict runs each prompt (up to ``max_length - continuation_tokens`` tokens) plus the
+    target's completion (up to ``completion_tokens``) through both models: a learned position
+    table must hold their sum, or generation fails after the merge is written. Refused rather
+    than clipped, since clipping would change what the verdict judges."""
+    if shape.max_positions is None or not task.verdict:
+        return
+    cal, limit = task.calibration, shape.max_positions
+    prompt, completion = cal.max_length - cal.continuation_tokens, task.select.completion_tokens
+    if prompt + completion <= limit:
+        return
+    key = f"{task.select_key}.completion_tokens"
+    fixes = []
+    if limit - prompt >= 1:
+        fixes.append(f"lower {key} to {limit - prompt}")
+    if limit - completion >= MIN_PROMPT_TOKENS:
+        fixes.append(f"lower max_length to {limit - completion + cal.continuation_tokens}")
+    less = " - continuation_tokens" if cal.continuation_tokens else ""
+    if not fixes:
+        fixes.append(f"lower max_length{less} + {key} to {limit} or less")
+    raise SurgeryConfigError(
+        f"{task.key}.calibration.max_length: prompts of up to {prompt} tokens (max_length{less}) "
+        f"plus the verdict's target completions of up to {completion} tokens ({key}) exceed the "
+        f"{limit} positions the {label} has (max_position_embeddings, a learned position table); "
+        f"{', or '.join(fixes)}, or set `select: off`"
+    )
 
 
 def _check_chat_template(key: str, tokenizer: _TokenizerFacts | None, reference_label: str) -> None:
