@@ -47,6 +47,7 @@ from mergekit_darts.calibrate.train import positions_of
 from mergekit_darts.cli import main
 from mergekit_darts.core.correction import (
     MODULE_KINDS,
+    PLAIN_KINDS,
     call_positions,
     correction_module,
     head_positions,
@@ -57,8 +58,9 @@ from mergekit_darts.deploy.export import MODELING_FILE, SHIPPED_FILES, export
 from mergekit_darts.deploy.modeling_darts import darts_section, weights_fingerprint
 
 # the kinds with tensors, each exported as a task of its own name ("none" is a reserved task name:
-# the none module, and routed exports, are tested in test_export_routed.py)
-KINDS = tuple(kind for kind in MODULE_KINDS if kind != "none")
+# the none module, and routed exports, are tested in test_export_routed.py; the plain kinds export
+# as plain checkpoints, tested in test_plain_export.py)
+KINDS = tuple(kind for kind in MODULE_KINDS if kind != "none" and kind not in PLAIN_KINDS)
 
 
 def write_random_surgery(folder: Path, hidden_size: int, kinds: tuple[str, ...]) -> None:

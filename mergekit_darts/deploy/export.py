@@ -38,7 +38,7 @@ from mergekit_darts.artifacts import (
     resolve_task,
 )
 from mergekit_darts.core import correction
-from mergekit_darts.deploy import LINKS, modeling_darts
+from mergekit_darts.deploy import LINKS, modeling_darts, plain
 from mergekit_darts.deploy.modeling_darts import (
     CORRECTION_FILE,
     MODEL_TYPE,
@@ -111,7 +111,10 @@ def export(
                 folder = staging / name if all_tasks else staging
                 folder.mkdir(exist_ok=True)
                 shown = f"{dest.name}/{name}" if all_tasks else dest.name
-                _write_folder(folder, source, name, module.state_dict(), link, shown)
+                if getattr(module, "plain", False):
+                    _write_plain(folder, source, name, module, link, shown)
+                else:
+                    _write_folder(folder, source, name, module.state_dict(), link, shown)
     except OSError as err:  # the staging folder is gone: DEST is as it was
         raise ExportError(_write_failed(dest, err)) from err
     return [dest / name for name in tasks] if all_tasks else [dest]
@@ -258,14 +261,7 @@ def _write_folder(
     renamed = {SINGLE: SINGLE_AS_SHARD}
     for shard in source.shards():
         _place(source.out / shard, folder / renamed.get(shard, shard), link)
-    for file in sorted(source.out.iterdir()):
-        if (
-            file.is_file()
-            and not file.name.startswith(".")
-            and file.name not in _NOT_COPIED
-            and file.suffix not in WEIGHT_SUFFIXES
-        ):
-            shutil.copyfile(file, folder / file.name)
+    _copy_side_files(source, folder)
     tensors = {
         TENSOR_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous()
         for k, v in state.items()
@@ -306,6 +302,43 @@ def _write_folder(
     (folder / "README.md").write_text(model_card(source, task, shown), encoding="utf-8")
 
 
+def _copy_side_files(source: _Source, folder: Path) -> None:
+    """The merge's files other than weights, its config and its card (tokenizer and the like)."""
+    for file in sorted(source.out.iterdir()):
+        if (
+            file.is_file()
+            and not file.name.startswith(".")
+            and file.name not in _NOT_COPIED
+            and file.suffix not in WEIGHT_SUFFIXES
+        ):
+            shutil.copyfile(file, folder / file.name)
+
+
+def _write_plain(
+    folder: Path, source: _Source, task: str, module: Any, link: str, shown: str
+) -> None:
+    """A plain folder: the merge with ``module`` folded into its own tensors (deploy.plain)."""
+    plain.check_plain_kind(module.kind, source.config.get("model_type"), "export")
+    where = plain.layout(source.out, source.weight_map)
+    folded = plain.folded_tensors(source.out, source.weight_map, module, where)
+    weight_map, written = plain.write_shards(
+        source.out, folder, source.weight_map, folded, where.head
+    )
+    for shard in source.shards():
+        if shard not in written:
+            _place(source.out / shard, folder / shard, link)
+    _copy_side_files(source, folder)
+    if INDEX in {p.name for p in source.out.iterdir()} or len(source.shards()) > 1:
+        total = sum(
+            sum(_tensor_bytes(folder / f).values()) for f in sorted(set(weight_map.values()))
+        )
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    config = plain.plain_config(source.config, where, module.kind)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (folder / "README.md").write_text(model_card(source, task, shown), encoding="utf-8")
+
+
 def _place(src: Path, dst: Path, link: str) -> None:
     if link == "symlink":
         os.symlink(src.resolve(), dst)
@@ -320,7 +353,7 @@ def _place(src: Path, dst: Path, link: str) -> None:
 
 def model_card(source: _Source, task: str, name: str) -> str:
     """Markdown for DEST/README.md: where it comes from, what it corrects, how to use it."""
-    merge_yaml, base, models = _merge_config(source.out)
+    _, _, models = _merge_config(source.out)
     hub_models = [m for m in models if _looks_like_hub_id(m)]
     front = {
         "library_name": "transformers",
@@ -346,6 +379,8 @@ def model_card(source: _Source, task: str, name: str) -> str:
             [f"Router: classes {', '.join(router.classes)}"
              + ("" if accuracy is None else f"; held-out token accuracy {accuracy:.3f}") + "."]
         )  # fmt: skip
+    elif source.manifest.tasks[task].module in correction.PLAIN_KINDS:
+        return _plain_card(source, task, name, front)
     else:
         names = [task]
         module = source.manifest.tasks[task].module
@@ -417,14 +452,59 @@ def model_card(source: _Source, task: str, name: str) -> str:
         f"lm_eval --model vllm --model_args pretrained={name} --tasks {lm_eval_tasks}",
         "```",
     ]
-    if merge_yaml:
-        lines += ["", "## Source merge", ""]
-        lines += [
-            f"- `{model}`" + (" (base)" if i == 0 and base else "")
-            for i, model in enumerate(models)
-        ]
-        lines += ["", "```yaml", merge_yaml.rstrip("\n"), "```"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _source_lines(source.out)) + "\n"
+
+
+def _source_lines(out: Path) -> list[str]:
+    """The card's "Source merge" section: the models and the merge YAML, when recorded."""
+    merge_yaml, base, models = _merge_config(out)
+    if not merge_yaml:
+        return []
+    lines = ["", "## Source merge", ""]
+    lines += [f"- `{m}`" + (" (base)" if i == 0 and base else "") for i, m in enumerate(models)]
+    return lines + ["", "```yaml", merge_yaml.rstrip("\n"), "```"]
+
+
+def _plain_card(source: _Source, task: str, name: str, front: dict[str, Any]) -> str:
+    """The card of a plain export: an ordinary checkpoint of the merge's architecture."""
+    entry = source.manifest.tasks[task]
+    arch = source.config["architectures"][0]
+    what = (
+        "folded into the LM head (`W (I - M)`)"
+        if entry.module == "head"
+        else "folded into the final norm's weight (a per-channel scale)"
+    )
+    untied = (
+        "The merge ties its LM head to the input embedding; this folder unties it into its own "
+        "`lm_head.weight` (`tie_word_embeddings: false`), which adds vocabulary x hidden "
+        "parameters."
+        if entry.module == "head" and source.config.get("tie_word_embeddings")
+        else ""
+    )
+    tasks = ",".join(entry.eval_tasks) or "TASKS"
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).rstrip("\n"),
+        "---",
+        f"# {name}",
+        "",
+        f"The merged model `{source.out.name}` with the DARTS plain correction of task `{task}` "
+        f"(module `{entry.module}`) {what}. It is an ordinary `{arch}` checkpoint: no custom "
+        "code, no extra tensors, so it serves in any engine (stock transformers, vLLM, "
+        "llama.cpp / GGUF, SGLang, TGI) exactly as the merge does.",
+        "",
+        *([untied, ""] if untied else []),
+        "## Load, serve, evaluate",
+        "",
+        "```sh",
+        f'python -c "from transformers import AutoModelForCausalLM; '
+        f"AutoModelForCausalLM.from_pretrained('{name}')\"",
+        f"vllm serve {name}",
+        f"python convert_hf_to_gguf.py {name}   # llama.cpp",
+        f"lm_eval --model hf --model_args pretrained={name} --tasks {tasks}",
+        "```",
+    ]
+    return "\n".join(lines + _source_lines(source.out)) + "\n"
 
 
 def _merge_config(out: Path) -> tuple[str | None, bool, list[str]]:
