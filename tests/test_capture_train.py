@@ -95,7 +95,7 @@ def test_same_seed_same_weights_other_seed_differs(captured):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["standard", "add", "parallel"])
+@pytest.mark.parametrize("kind", ["standard", "add", "parallel", "head", "norm"])
 def test_every_module_kind_trains(captured, kind):
     _, _, merged, target = captured
     assert _train(merged, target, kind=kind, loss="l1", steps=40).rho_l1 > 0
@@ -125,7 +125,7 @@ def test_mismatched_inputs_are_errors(captured):
         TrainSettings(loss="mse")
 
 
-@pytest.mark.parametrize("kind", ["standard", "pos_corr", "add", "parallel"])
+@pytest.mark.parametrize("kind", ["standard", "pos_corr", "add", "parallel", "head", "norm"])
 @pytest.mark.parametrize("positions", ["all", "late"])
 def test_stacked_folds_train_as_one_by_one(captured, kind, positions):
     # cross-fitting's modules trained together equal each trained alone on its rows: 12 prompts,

@@ -128,3 +128,26 @@ def test_head_is_refused_where_the_gguf_would_drop_the_untied_head(tmp_path: Pat
     with pytest.raises(ExportError, match="use module: norm") as err:
         export(merged, dest, task="head")
     assert "\n" not in str(err.value) and not dest.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["head", "norm"])
+def test_a_calibrated_plain_kind_exports_to_stock_transformers(
+    tiny_family, calibration_data: Path, tiny_merged: Path, tmp_path: Path, kind: str
+) -> None:
+    import shutil
+
+    from tiny import quick_block
+
+    from mergekit_darts import run_surgery
+
+    merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+    run_surgery(merged, quick_block(tiny_family, calibration_data, module=kind), progress=False)
+    manifest = json.loads((merged / "surgery" / "manifest.json").read_text())
+    assert manifest["tasks"]["math"]["module"] == kind
+    export(merged, tmp_path / "plain", task="math")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    apply_surgery(reference, merged / "surgery", "math")
+    ids = torch.randint(3, 60, (2, 10), generator=torch.Generator().manual_seed(2))
+    assert (logits_of(model, ids) - logits_of(reference, ids)).abs().max() <= 1e-4
