@@ -151,3 +151,20 @@ def test_a_calibrated_plain_kind_exports_to_stock_transformers(
     apply_surgery(reference, merged / "surgery", "math")
     ids = torch.randint(3, 60, (2, 10), generator=torch.Generator().manual_seed(2))
     assert (logits_of(model, ids) - logits_of(reference, ids)).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_the_verdict_under_plain_true_judges_only_plain_candidates(
+    tiny_family, calibration_data: Path, tiny_merged: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from tiny import quick_block
+
+    from mergekit_darts import run_surgery
+
+    merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+    run_surgery(merged, quick_block(tiny_family, calibration_data, plain=True), progress=False)
+    entry = json.loads((merged / "surgery" / "manifest.json").read_text())["tasks"]["math"]
+    judged = [c["module"] for c in entry["selection"]["candidates"]]
+    assert judged == ["none", "head", "norm"] and entry["module"] in judged

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tiny import change_block, change_task, merge_config, refuse
+from tiny import change_block, change_task, merge_config, quick_block, refuse
 
 from mergekit_darts.config import parse_surgery, resolve_tasks
 
@@ -198,3 +198,29 @@ def test_block_with_holdout_and_select_is_refused():
     base = {"name": "a", "target": "t", "calibration": {"path": "p.jsonl"}}
     with pytest.raises(Exception, match="surgery.holdout: surgery.select.holdout sets"):
         parse_surgery({"holdout": 0.3, "select": select(), "tasks": [base]})
+
+
+def test_plain_true_limits_the_default_candidates_to_plain_kinds(tiny_family, calibration_data):
+    (task,) = resolve_tasks(parse_surgery(quick_block(tiny_family, calibration_data, plain=True)))
+    assert [c.module for c in task.select.candidates] == ["none", "head", "norm"]
+    assert task.select_default
+
+
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [
+        ({"module": "pos_corr"}, "surgery.module"),
+        ({"select": {"candidates": [{"module": "head"}, {"module": "standard"}]}},
+         "surgery.select.candidates[1].module"),
+    ],
+)  # fmt: skip
+def test_plain_true_refuses_a_module_that_does_not_fold(
+    tiny_family, calibration_data, settings, key
+):
+    from mergekit_darts.errors import SurgeryConfigError
+
+    block = quick_block(tiny_family, calibration_data, plain=True, **settings)
+    with pytest.raises(SurgeryConfigError) as err:
+        parse_surgery(block)
+    message = str(err.value)
+    assert message.startswith(f"{key}: ") and "plain: true" in message and "\n" not in message

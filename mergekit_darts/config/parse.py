@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from mergekit_darts.config.resolve import ResolvedTask, resolve_tasks
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig, SurgeryConfig
+from mergekit_darts.core.correction import PLAIN_KINDS
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.manifest import BLOCK_KEY
 from mergekit_darts.messages import describe_error, first_line
@@ -105,6 +106,8 @@ def _check_rules(config: SurgeryConfig) -> None:
             f"{task.key}.eval_tasks: lm-eval task {claim.eval_task!r} is already served by task "
             f"{claim.first!r}; each lm-eval task may pick one module"
         ) from None
+    if config.plain:
+        _check_plain(tasks)
     for task in tasks:
         if task.select is None:
             _check_calibration(task)
@@ -118,6 +121,26 @@ def _check_rules(config: SurgeryConfig) -> None:
                 raise SurgeryConfigError(f"{task.select_key}.candidates[{number}]: {err}") from None
     _check_route(config, tasks)
     _check_device(config.device)
+
+
+def _check_plain(tasks: list[ResolvedTask]) -> None:
+    """Under ``plain: true`` every module a task may keep folds into the checkpoint."""
+    allowed = ("none", *PLAIN_KINDS)
+    for task in tasks:
+        numbered = enumerate(task.select.candidates) if task.select is not None else [(None, None)]
+        for number, candidate in numbered:
+            module = (task if candidate is None else task.as_candidate(candidate)).module
+            if module in allowed:
+                continue
+            key = (
+                task.source_key("module")
+                if candidate is None or candidate.module is None
+                else f"{task.select_key}.candidates[{number}].module"
+            )
+            raise SurgeryConfigError(
+                f"{key}: {module} does not fold into the checkpoint's weights, which plain: true "
+                f"asks for; use module: {' or '.join(PLAIN_KINDS)}, or drop plain: true"
+            )
 
 
 def _check_route(config: SurgeryConfig, tasks: list[ResolvedTask]) -> None:

@@ -15,6 +15,7 @@ from mergekit_darts.config.schema import (
     DEFAULT_HOLDOUT,
     LM_EVAL,
     OVERRIDABLE,
+    PLAIN_CANDIDATES,
     VERDICT_METRICS,
     CalibrationConfig,
     Candidate,
@@ -134,6 +135,13 @@ def resolve_tasks(config: SurgeryConfig) -> list[ResolvedTask]:
     return resolved
 
 
+def default_select(config: SurgeryConfig) -> SelectConfig:
+    """The default selection: its candidates, or only the plain ones under ``plain: true``."""
+    if config.plain:
+        return SelectConfig(candidates=[Candidate(**c) for c in PLAIN_CANDIDATES])
+    return SelectConfig()
+
+
 def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
     """A task's select and holdout: its own values win over the block's.
 
@@ -156,7 +164,7 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
     elif _chooses_own_module(config, task):
         select, select_key = None, ""
     else:
-        select, select_key = SelectConfig(), "surgery.select"
+        select, select_key = default_select(config), "surgery.select"
     default = select is not None and task.select is None and config.select is None
     if select is not None and (select.metric == LM_EVAL or select.dev is not None):
         _check_dev(select, select_key, task, key)

@@ -77,6 +77,13 @@ DEFAULT_CANDIDATES = (
     {"module": "pos_corr", "loss": "l1"},
     {"module": "pos_corr", "loss": "ewl1"},
 )
+# the candidates under `plain: true` (corrections that fold into the checkpoint's own tensors): the
+# merge as it is, the LM-head map and the final-norm scale, each on the paper's loss
+PLAIN_CANDIDATES = (
+    {"module": "none"},
+    {"module": "head", "loss": "ewl1"},
+    {"module": "norm", "loss": "ewl1"},
+)
 
 
 class StrictBlock(BaseModel):
@@ -248,6 +255,7 @@ class SurgeryConfig(StrictBlock):
     holdout: Fraction | None = None
     select: SelectOrOff = None  # none: the default selection, unless module or loss is set
     route: RouteConfig | None = None  # one gate over the tasks (calibrate.fit_router)
+    plain: StrictBool = False  # only corrections that fold into the checkpoint (any engine)
     tasks: list[TaskConfig] = Field(min_length=1)
 
 
