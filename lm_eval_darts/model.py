@@ -16,8 +16,10 @@ runs with different corrections never read each other's answers, while ``surgery
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
+import inspect
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -51,6 +53,7 @@ from mergekit_darts.task_map import (
 eval_logger = logging.getLogger(__name__)
 
 _NOT_GIVEN: Any = object()  # the CLI turns `surgery=none` into "none", simple_evaluate into None
+_CLOSE = 0.8  # difflib ratio above which an argument name reads as a misspelling of one of ours
 R = TypeVar("R")
 
 
@@ -195,8 +198,8 @@ class DartsHFLM(HFLM):
     ``surgery_path=`` (default ``<pretrained>/surgery``) and ``surgery_map=<lm-eval task>:<surgery
     task>;...`` (replaces the manifest's ``eval_tasks`` routing; implies ``auto``). Everything else
     goes to HFLM unchanged, except ``peft=`` and ``delta=``, refused with a surgery: they change
-    the weights it was calibrated on. ``surgery=none`` attaches nothing, so it scores exactly like
-    ``hf``.
+    the weights it was calibrated on. A look-alike of the three names (``surgerypath=``) is
+    refused before any load. ``surgery=none`` attaches nothing, so it scores exactly like ``hf``.
     """
 
     def __init__(
@@ -208,6 +211,7 @@ class DartsHFLM(HFLM):
         **kwargs: Any,
     ) -> None:
         # Checked before HFLM loads the model, so a typo costs no model load.
+        refuse_misspelled_args(kwargs)
         self._source = (pretrained, kwargs.get("subfolder") or "", kwargs.get("revision", "main"))
         self._other_weights = {name: kwargs[name] for name in OTHER_WEIGHTS if kwargs.get(name)}
         plan = self._checked(SurgeryPlan.resolve(surgery, surgery_map, surgery_path, *self._source))
@@ -346,6 +350,26 @@ class DartsHFLM(HFLM):
         if self._handle is not None:  # requests per lm-eval task that reuse calibration prompts
             info["darts_calibration_overlap"] = dict(self._leakage.counts)
         return info
+
+
+def refuse_misspelled_args(kwargs: Mapping[str, Any]) -> None:
+    """Refuse an argument that looks like one of hf-darts' own but is not.
+
+    HFLM hands unknown arguments to ``from_pretrained``, so ``surgerypath=`` would fail only after
+    the weights load, as a ``TypeError`` from the model class. Only look-alikes (containing
+    "surg", or close to one of ours) are refused: any other argument is HFLM's to judge.
+    """
+    ours = [name for name in inspect.signature(DartsHFLM.__init__).parameters if "surg" in name]
+    for name in kwargs:
+        close = difflib.get_close_matches(name.lower(), ours, n=1, cutoff=_CLOSE)
+        if "surg" not in name.lower() and not close:
+            continue
+        meant = close or difflib.get_close_matches(name.lower(), ours, n=1, cutoff=0)
+        raise ModelArgsError(
+            f"hf-darts: unknown model argument {name}=; did you mean {meant[0]}=? (hf-darts reads "
+            f"{', '.join(f'{n}=' for n in ours[:-1])} and {ours[-1]}=; other arguments go to "
+            "lm-eval's hf model)"
+        )
 
 
 register()

@@ -334,6 +334,30 @@ def test_bad_arguments_fail_before_loading(
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("written", "meant"),
+    [("surgerypath", "surgery_path"), ("surgery_maps", "surgery_map"), ("Surgery", "surgery")],
+)
+def test_a_misspelled_surgery_argument_fails_before_loading(
+    merged: Path, tmp_path: Path, written: str, meant: str
+) -> None:
+    # `pretrained` has no weights: reaching HFLM's model loading would raise something else
+    with pytest.raises(ModelArgsError) as info:
+        DartsHFLM(pretrained=str(tmp_path), surgery="auto", **{written: str(merged / "surgery")})
+    assert str(info.value) == (
+        f"hf-darts: unknown model argument {written}=; did you mean {meant}=? (hf-darts reads "
+        "surgery=, surgery_path= and surgery_map=; other arguments go to lm-eval's hf model)"
+    )
+
+
+def test_other_unknown_arguments_still_reach_the_model(merged: Path) -> None:
+    """Arguments that look nothing like ours are HFLM's (and transformers') business."""
+    lm = DartsHFLM(
+        pretrained=str(merged), surgery="math", device="cpu", attn_implementation="eager"
+    )
+    assert lm.model.config._attn_implementation == "eager"
+
+
 def test_missing_surgery_folder(tiny_family: Any) -> None:
     with pytest.raises(SurgeryFormatError, match=r"no surgery manifest at .*base/surgery"):
         DartsHFLM(pretrained=str(tiny_family.base), surgery="math", device="cpu")
