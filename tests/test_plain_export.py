@@ -168,3 +168,30 @@ def test_the_verdict_under_plain_true_judges_only_plain_candidates(
     entry = json.loads((merged / "surgery" / "manifest.json").read_text())["tasks"]["math"]
     judged = [c["module"] for c in entry["selection"]["candidates"]]
     assert judged == ["none", "head", "norm"] and entry["module"] in judged
+
+
+def test_head_on_gemma_is_refused_before_merging(
+    tiny_family, calibration_data: Path, tmp_path: Path
+) -> None:
+    from tiny import quick_block
+
+    from mergekit_darts.config import parse_surgery, resolve_tasks
+    from mergekit_darts.config.preflight import check_targets
+    from mergekit_darts.errors import SurgeryConfigError
+
+    gemma = build(tmp_path / "gemma", "gemma2")
+    block = quick_block(tiny_family, calibration_data, module="head")
+    block["tasks"][0]["target"] = str(gemma)
+    tasks = resolve_tasks(parse_surgery(block))
+    with pytest.raises(SurgeryConfigError) as err:
+        check_targets(tasks, str(gemma), "base model", trust_remote_code=False, check_vocab=False)
+    assert str(err.value).startswith("surgery.module: module head unties the LM head")
+    assert "use module: norm" in str(err.value) and "\n" not in str(err.value)
+    block["module"] = "norm"
+    check_targets(
+        resolve_tasks(parse_surgery(block)),
+        str(gemma),
+        "base model",
+        trust_remote_code=False,
+        check_vocab=False,
+    )

@@ -26,7 +26,7 @@ from mergekit_darts.config.parse import MIN_PROMPT_TOKENS
 from mergekit_darts.config.resolve import ResolvedTask
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig
 from mergekit_darts.core.losses import LOGIT_LOSSES
-from mergekit_darts.core.spec import DEFAULT_RANK
+from mergekit_darts.core.spec import DEFAULT_RANK, plain_kind_problem
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.fs import check_writable
 from mergekit_darts.identity import cache_key
@@ -87,6 +87,7 @@ class ModelShape:
     vocab_size: int | None
     not_causal: str | None = None  # why AutoModelForCausalLM cannot load it as a decoder-only LM
     max_positions: int | None = None  # positions it has a table for (None: rotary, unbounded)
+    model_type: str | None = None
 
 
 def model_shape(ref: str, key: str, *, trust_remote_code: bool) -> ModelShape:
@@ -106,6 +107,7 @@ def model_shape(ref: str, key: str, *, trust_remote_code: bool) -> ModelShape:
         getattr(text, "vocab_size", None),
         _not_causal(config),
         _position_limit(text),
+        getattr(config, "model_type", None),
     )
 
 
@@ -171,6 +173,7 @@ def check_targets(
                 f"has {ref_shape.hidden_size}; surgery needs targets of the merged architecture"
             )
         _check_rank(task, ref_shape.hidden_size, reference_label)
+        _check_plain(task, ref_shape.model_type)
         for label, limit in ((reference_label, ref_shape), (f"target {task.target}", shape)):
             _check_length(f"{task.key}.calibration", task.calibration, limit, label)
             _check_verdict_length(task, limit, label)
@@ -225,6 +228,19 @@ def _check_rank(task: ResolvedTask, hidden_size: int | None, reference_label: st
             f"{reference_label}; a low-rank correction needs rank <= hidden_size "
             f"(default {DEFAULT_RANK})"
         )
+
+
+def _check_plain(task: ResolvedTask, model_type: str | None) -> None:
+    """A plain kind the engines would lose on this architecture is refused before merging."""
+    written = task.select.candidates if task.select is not None else [None]
+    for number, choice in enumerate(written):
+        candidate = task if choice is None else task.as_candidate(choice)
+        problem = plain_kind_problem(candidate.module, model_type)
+        if problem is None:
+            continue
+        own = choice is not None and choice.module is not None
+        key = f"{task.select_key}.candidates[{number}].module" if own else task.source_key("module")
+        raise SurgeryConfigError(f"{key}: {problem}")
 
 
 def _check_length(key: str, cal: CalibrationConfig, shape: ModelShape, label: str) -> None:

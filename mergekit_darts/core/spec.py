@@ -22,6 +22,21 @@ DEFAULT_RANK = 16  # the bottleneck width (paper section 4.3)
 DEFAULT_MAX_POSITIONS = 512  # rows of a position table
 
 
+# llama.cpp's converter writes no separate output tensor for these (their GGUFs always tie), so the
+# head kind's untied LM head would be lost there; norm keeps its correction in a tensor they keep
+HEAD_DROPPED = ("gemma", "gemma2")
+
+
+def plain_kind_problem(kind: str, model_type: str | None) -> str | None:
+    """Why ``kind`` cannot ship as plain weights of ``model_type``, with the fix; None if it can."""
+    if kind == "head" and model_type in HEAD_DROPPED:
+        return (
+            f"module head unties the LM head, which llama.cpp's converter drops for {model_type} "
+            "(its GGUFs always tie): use module: norm for plain weights there"
+        )
+    return None
+
+
 class ModuleSpec(BaseModel):
     """What builds one module: ``module`` (its kind), ``rank`` and ``max_positions``."""
 

@@ -24,22 +24,18 @@ from safetensors.torch import save
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from mergekit_darts.core.correction import HeadSurgery, NormSurgery, SurgeryModule
+from mergekit_darts.core.spec import plain_kind_problem
 from mergekit_darts.errors import ExportError
 
-# llama.cpp's converter writes no separate output tensor for these (their GGUFs always tie), so an
-# untied head would be lost there: ``norm`` keeps the correction in a tensor they keep.
-HEAD_DROPPED = ("gemma", "gemma2")
 # where a decoder keeps the norm whose output is the LM head's input, by attribute of its base model
 FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_norm")
 
 
 def check_plain_kind(kind: str, model_type: str | None, key: str) -> None:
-    """Refuse ``head`` on an architecture whose GGUF drops an untied output tensor."""
-    if kind == HeadSurgery.kind and model_type in HEAD_DROPPED:
-        raise ExportError(
-            f"{key}: module head unties the LM head, which llama.cpp's converter drops for "
-            f"{model_type} (its GGUFs always tie): use module: norm for plain weights there"
-        )
+    """Refuse a plain kind that the engines would lose on this architecture."""
+    problem = plain_kind_problem(kind, model_type)
+    if problem is not None:
+        raise ExportError(f"{key}: {problem}")
 
 
 @dataclass(frozen=True)
