@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.calibrate.plain_fit import closed_form, fit_closed_form
 from mergekit_darts.config.schema import default
 from mergekit_darts.core import losses
 from mergekit_darts.core.correction import SurgeryModule
@@ -171,6 +172,8 @@ def train_surgery(
     ``rows`` (sequence indices, default all) trains on a subset without copying the captures:
     the rest is held out, and the result's rho_L1 covers the training rows only. A module
     without parameters (kind ``none``) is measured, not trained: delta after = delta before.
+    The plain kinds under ``l1`` / ``ewl1`` are fitted in closed form (``calibrate.plain_fit``;
+    ``steps`` and ``lr`` unused), under ``kl`` / ``ce`` by Adam like the others.
     """
     _check_captures(merged, target, settings)
     rows, counted = _training_tokens(merged, loss_mask, rows)
@@ -180,6 +183,12 @@ def train_surgery(
     curve: list[float] = []
     loss_start = dataset_loss(module, merged, target, rows, counted, settings)
     start = time.perf_counter()
+    if closed_form(module) and settings.loss not in losses.LOGIT_LOSSES:  # one solve, no steps
+        fit_closed_form(module, merged, target, counted, settings.loss)
+        seconds = time.perf_counter() - start
+        result = _result(module, merged, target, settings, rows, counted, [], seconds, loss_start)
+        result.loss_curve.append(result.loss_end)
+        return result
     # A module without parameters (``none``: the merge as it is) has nothing to train: no
     # optimizer, and its curve is its one loss over the training tokens.
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -266,10 +275,11 @@ def train_stacked(
     Module ``k`` sees the batches its own :func:`train_surgery` run would see (its rows, shuffled
     by ``settings.seed``) and has its own Adam, which skips the steps whose batch counts no token
     of it, so the results equal one-by-one training up to float rounding. Modules without
-    parameters, and the logit losses (which run the LM heads), go to :func:`train_surgery`.
+    parameters, the closed-form plain kinds, and the logit losses (which run the LM heads), go
+    to :func:`train_surgery`.
     """
     trainable = any(p.requires_grad for p in modules[0].parameters()) if modules else False
-    if not trainable or settings.loss in losses.LOGIT_LOSSES:
+    if not trainable or settings.loss in losses.LOGIT_LOSSES or closed_form(modules[0]):
         return [
             train_surgery(
                 m,
