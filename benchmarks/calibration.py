@@ -50,6 +50,7 @@ SELECTIONS = {
     "holdout": {"holdout": DEFAULT_HOLDOUT},
 }
 CROSS_FIT_TARGET = 2.0  # the aim for cross-fitting's training phase, as a multiple of one training
+PLAIN_FITS = ("head", "norm")  # the plain kinds, timed against one DARTS training
 STACKED_FOLDS = DEFAULT_FOLDS
 
 
@@ -291,7 +292,38 @@ def phase_time_baselines(
         loop = paired_ratio(times, "train_loop", "bare_adam")
         result[f"train_{kind}"] = {**loop, "call_ratio": call["ratio"]}
     result["stacked_folds"] = _stacked_against_one_by_one(held, hidden, train_settings, settings)
+    for kind in PLAIN_FITS:
+        result[f"plain_{kind}"] = _plain_against_darts(held, hidden, kind, train_settings, settings)
     return result
+
+
+def _plain_against_darts(
+    held: dict[str, Any], hidden: int, kind: str, train_settings: Any, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """A plain kind's closed-form fit against one DARTS training (pos_corr + EWL1, the block's
+    steps), both through train_surgery on the same captures, interleaved."""
+    from mergekit_darts import build_module
+    from mergekit_darts.calibrate.train import train_surgery
+
+    shape = (hidden, settings["rank"], settings["max_positions"])
+
+    def fit(kind: str) -> None:
+        module = build_module(kind, *shape, seed=0)
+        train_surgery(
+            module,
+            held["merged"],
+            held["target"],
+            train_settings,
+            device=settings["device"],
+            progress=False,
+        )
+
+    times = alternate(
+        {kind: lambda: fit(kind), "darts": lambda: fit("pos_corr")},
+        settings["repeats"],
+        cuda_sync(settings["device"]),
+    )
+    return paired_ratio(times, kind, "darts")
 
 
 def _stacked_against_one_by_one(
@@ -494,6 +526,10 @@ def summarise(
     ratios[f"{STACKED_FOLDS} fold modules trained together / one by one (pos_corr)"] = ratio(
         baselines["stacked_folds"]["ratio"], None
     )
+    for kind in PLAIN_FITS:  # a closed-form fit should cost a small fraction of one training
+        ratios[f"{kind} closed-form fit / one DARTS training"] = ratio(
+            baselines[f"plain_{kind}"]["ratio"], 0.25
+        )
     for kind, task in tasks.items():
         mem = memory_ratios(task, naive, logits_batch)
         task["memory_ratios"] = mem
