@@ -407,11 +407,7 @@ def model_card(source: _Source, task: str, name: str) -> str:
             f"{'—' if rho is None else f'{rho:.3f}'} |"
         )
     lines = [
-        "---",
-        yaml.safe_dump(front, sort_keys=False).rstrip("\n"),
-        "---",
-        f"# {name}",
-        "",
+        *_heading(front, name),
         intro,
         "",
         "| task | target | lm-eval tasks | module | loss | rank | max positions | ρ_L1 |",
@@ -455,6 +451,11 @@ def model_card(source: _Source, task: str, name: str) -> str:
     return "\n".join(lines + _source_lines(source.out)) + "\n"
 
 
+def _heading(front: dict[str, Any], name: str) -> list[str]:
+    """The card's YAML front matter and title."""
+    return ["---", yaml.safe_dump(front, sort_keys=False).rstrip("\n"), "---", f"# {name}", ""]
+
+
 def _source_lines(out: Path) -> list[str]:
     """The card's "Source merge" section: the models and the merge YAML, when recorded."""
     merge_yaml, base, models = _merge_config(out)
@@ -483,11 +484,7 @@ def _plain_card(source: _Source, task: str, name: str, front: dict[str, Any]) ->
     )
     tasks = ",".join(entry.eval_tasks) or "TASKS"
     lines = [
-        "---",
-        yaml.safe_dump(front, sort_keys=False).rstrip("\n"),
-        "---",
-        f"# {name}",
-        "",
+        *_heading(front, name),
         f"The merged model `{source.out.name}` with the DARTS plain correction of task `{task}` "
         f"(module `{entry.module}`) {what}. It is an ordinary `{arch}` checkpoint: no custom "
         "code, no extra tensors, so it serves in any engine (stock transformers, vLLM, "
