@@ -133,6 +133,30 @@ def logits_without_darts(
     return load_file(tmp_path / "logits.safetensors")
 
 
+def load_offloaded(folder: Path, offload: Path, split: bool, **kwargs: Any) -> Any:
+    """An exported folder under accelerate's offload, as a model larger than memory loads:
+    ``split``, the embeddings and layer 0 on the CPU and the rest (head and surgery included) on
+    disk; otherwise all of it on disk. Either way the surgery's tensors are on the meta device
+    until accelerate's hooks bring them in."""
+    whole = load(folder, **kwargs)
+    size = {name: p.numel() * p.element_size() for name, p in whole.named_parameters()}
+    layer = sum(v for k, v in size.items() if k.startswith("model.layers.0."))
+    embed = size["model.embed_tokens.weight"]
+    # accelerate keeps room for the largest offloaded layer: the embeddings and layer 0 fit
+    budget = embed + 2 * layer if split else embed // 2
+    model = load(
+        folder, device_map="auto", max_memory={"cpu": budget}, offload_folder=str(offload), **kwargs
+    )
+    placed = model.hf_device_map
+    if split:
+        wanted = {"model.layers.0": "cpu", "lm_head": "disk", "darts_surgery": "disk"}
+        assert {k: placed.get(k) for k in wanted} == wanted, placed
+    else:
+        assert placed == {"": "disk"}, placed
+    assert all(p.is_meta for p in model.darts_surgery.parameters())
+    return model
+
+
 def unbind_surgery_file(folder: Path) -> None:
     """Drop the surgery file from config.json's darts.weights, as in an export made before it was
     recorded there: what the shipped loader checks inside the file is reached."""

@@ -32,6 +32,7 @@ from reference import (
     fail,
     head_input,
     load,
+    load_offloaded,
     logits_without_darts,
     positions_by_hand,
     snapshot,
@@ -159,6 +160,38 @@ def test_cached_generate_equals_apply_surgery(
     want_tokens, want_logits = generate(reference_model(merged, kind))
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["cpu_and_disk", "disk"])
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [(kind, torch.float32) for kind in KINDS]
+    + [(k, torch.bfloat16) for k in ("pos_corr", "parallel")],
+)
+def test_offloaded_export_equals_the_whole_one(
+    kind: str,
+    dtype: torch.dtype,
+    split: bool,
+    exported: Path,
+    batch: dict[str, torch.Tensor],
+    tmp_path: Path,
+) -> None:
+    """A model too large for memory loads with its surgery on disk (meta until accelerate's hooks
+    bring it in); the correction still runs, in float32 whatever the model's dtype, on the very
+    numbers of the export loaded whole."""
+    whole = load(exported / kind, dtype=dtype)
+    offloaded = load_offloaded(exported / kind, tmp_path, split, dtype=dtype)
+    assert all(p.dtype == torch.float32 for p in offloaded.darts_surgery.parameters())
+    with torch.no_grad():
+        expected = whole(**batch).logits
+        got = offloaded(**batch).logits
+        last = offloaded(**batch, logits_to_keep=1).logits
+    assert got.dtype == dtype and not got.is_meta
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(last, expected[:, -1:], rtol=0, atol=1e-6)
+    assert all(p.is_meta for p in offloaded.darts_surgery.parameters())  # offloaded again
+    options = dict(max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+    assert torch.equal(offloaded.generate(**batch, **options), whole.generate(**batch, **options))
 
 
 def test_half_precision_keeps_the_surgery_float32(

@@ -27,6 +27,7 @@ from reference import (
     fail,
     head_input,
     load,
+    load_offloaded,
     logits_without_darts,
     positions_by_hand,
     snapshot,
@@ -159,6 +160,25 @@ def test_cached_generate_equals_apply_surgery(routed: Any, batch: dict[str, torc
     want_tokens, want_logits = generate(routed_reference(merged))
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("split", "dtype"),
+    [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)],
+    ids=["cpu_and_disk", "disk", "disk_bfloat16"],
+)
+def test_offloaded_export_equals_the_whole_one(
+    routed: Any, split: bool, dtype: torch.dtype, batch: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """With the surgery on disk, every task's tensors come in for the correction, also those the
+    routed module reads without calling their module's forward (the position tables)."""
+    _, dest, _ = routed
+    offloaded = load_offloaded(dest, tmp_path, split, dtype=dtype)
+    assert all(p.dtype == torch.float32 for p in offloaded.darts_surgery.parameters())
+    with torch.no_grad():
+        expected = load(dest, dtype=dtype)(**batch).logits
+        got = offloaded(**batch).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
 def test_batch_and_padding_invariance(routed: Any, tiny_family: Any) -> None:

@@ -564,19 +564,39 @@ def corrected_head_input(
     """``surgery(h, p)`` for the LM head's input ``h`` of ``owner``'s running forward call, or None
     (leave ``h`` alone) outside one or for no surgery / the ``none`` module.
 
-    Computed where the surgery's tensors are, in float32 even under autocast (lm-eval's
+    Computed where the surgery's tensors are (for a module accelerate offloads, its execution
+    device: see :func:`_offloaded_hooks`), in float32 even under autocast (lm-eval's
     ``mixed_precision_dtype`` would otherwise run its matrices in half precision), and returned
     on ``h``'s device in ``h``'s dtype.
     """
     stack = _RUNNING.calls.get(owner)
     call = stack[-1] if stack else None
-    where = None if surgery is None else surgery.device()
-    if call is None or where is None:
+    if call is None or surgery is None or surgery.device() is None:
         return None
     positions, logits_to_keep = call
-    kept = None if positions is None else head_positions(positions, logits_to_keep, h).to(where)
-    with torch.autocast(h.device.type, enabled=False):
-        return surgery(h.to(where), kept).to(h.device)
+    kept = None if positions is None else head_positions(positions, logits_to_keep, h)
+    hooked = _offloaded_hooks(surgery)
+    for module in hooked:
+        module._hf_hook.pre_forward(module)
+    try:
+        where = surgery.device()
+        with torch.autocast(where.type, enabled=False):
+            return surgery(h.to(where), None if kept is None else kept.to(where)).to(h.device)
+    finally:
+        for module in reversed(hooked):
+            module._hf_hook.post_forward(module, None)
+
+
+def _offloaded_hooks(surgery: nn.Module) -> list[nn.Module]:
+    """The modules of ``surgery`` that carry an accelerate hook, to fire around the correction.
+
+    Under accelerate's offload (``device_map`` with ``offload_folder``) a module's tensors stay on
+    the meta device and its hook puts them on its execution device only while that module's own
+    forward runs; a correction also reads tensors of modules whose forward it never calls (a
+    routed module's tasks), so every hook fires first and offloads again after, as transformers'
+    ``force_accelerate_hooks`` does for the children it names. Empty without accelerate.
+    """
+    return [m for m in surgery.modules() if getattr(m, "_hf_hook", None) is not None]
 
 
 # ---- the weights a correction belongs to -------------------------------------------------------------

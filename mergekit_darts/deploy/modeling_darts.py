@@ -29,6 +29,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import transformers
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -255,7 +256,11 @@ def check_weights(folder: str | os.PathLike[str], darts: Mapping[str, Any]) -> N
 
 
 def surgery_for(config: PretrainedConfig) -> SurgeryModule | RoutedSurgery:
-    """The (zero) module a loaded config's ``darts`` section describes, checked against the model."""
+    """The (zero) module a loaded config's ``darts`` section describes, checked against the model.
+
+    Built with float32 tensors: transformers and vLLM build a model under its dtype as torch's
+    default, and an offloaded tensor comes back from disk in the dtype it was built with.
+    """
     darts = darts_section(config)
     hidden_size = getattr(config.get_text_config(), "hidden_size", None)
     if darts["hidden_size"] != hidden_size:
@@ -263,10 +268,17 @@ def surgery_for(config: PretrainedConfig) -> SurgeryModule | RoutedSurgery:
             f"config.json's darts.hidden_size {darts['hidden_size']} does not match the model's "
             f"hidden_size {hidden_size}: {_HINT}"
         )
-    if darts["module"] == ROUTED:
-        routed = darts["routed"]
-        return RoutedSurgery.zeros(routed["tasks"], routed["background"], hidden_size)
-    return correction_module(darts["module"], hidden_size, darts["rank"], darts["max_positions"])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        if darts["module"] == ROUTED:
+            routed = darts["routed"]
+            return RoutedSurgery.zeros(routed["tasks"], routed["background"], hidden_size)
+        return correction_module(
+            darts["module"], hidden_size, darts["rank"], darts["max_positions"]
+        )
+    finally:
+        torch.set_default_dtype(default)
 
 
 # ---- transformers classes ---------------------------------------------------------------------------
