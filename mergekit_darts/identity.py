@@ -15,15 +15,22 @@ surgery, a merge redone with other weights does not. The model card, ``mergekit_
 (which calibration rewrites), tokenizer and generation files are no part of it, nor are weight
 files transformers does not load (an earlier merge's shards that mergekit left beside a new
 ``model.safetensors``).
+
+Which files a load reads is one rule here (:func:`loaded_weight_files`, after transformers'
+own precedence), and every other reader calls it: the identity, the store's key, and the refusal
+of a merged folder that holds two merges (:func:`check_one_merge`; mergekit never removes what an
+earlier merge into the same folder wrote, so shards and a single file can lie side by side).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from mergekit_darts.core.correction import weights_fingerprint
+from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.manifest import RECIPE
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
@@ -96,6 +103,93 @@ def loaded_weight_files(folder: str | Path) -> list[str] | None:
     if any(not (folder / str(shard)).is_file() for shard in shards):
         return None
     return sorted(map(str, shards))
+
+
+def is_weight_file(path: Path) -> bool:
+    """Whether ``path`` holds weights or a shard index by its name (hidden files never)."""
+    name = path.name
+    return not name.startswith(".") and (
+        path.suffix in WEIGHT_SUFFIXES or name.endswith(INDEX_SUFFIX)
+    )
+
+
+def unread_weight_files(folder: str | Path) -> list[str]:
+    """Weight files and indexes in ``folder`` that ``from_pretrained`` does not read, entry files
+    first; none when what it reads cannot be told (a listed shard missing: the load fails)."""
+    folder = Path(folder)
+    loaded = loaded_weight_files(folder)
+    if loaded is None:
+        return []
+    read = {*loaded, weights_entry(folder)}
+    return _entries_first(
+        p.name for p in folder.iterdir() if is_weight_file(p) and p.is_file() and p.name not in read
+    )
+
+
+Stats = Mapping[str, tuple[int, int, int, int]]
+
+
+def weight_file_stats(folder: str | Path) -> dict[str, tuple[int, int, int, int]]:
+    """Name -> (size, mtime_ns, ctime_ns, inode) of each weight file in ``folder``: taken before
+    a merge, it tells the files the merge wrote (new or rewritten) from those it left alone."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        if is_weight_file(path) and path.is_file():
+            st = path.stat()
+            found[path.name] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    return found
+
+
+def check_one_merge(folder: str | Path, before: Stats | None = None) -> None:
+    """Refuse a merged ``folder`` whose weight files are not all one merge's, before anything is
+    calibrated on it (the reason: :func:`two_merges`)."""
+    problem = two_merges(folder, before)
+    if problem is not None:
+        raise SurgeryConfigError(problem)
+
+
+def two_merges(folder: str | Path, before: Stats | None = None) -> str | None:
+    """Why ``folder`` holds the weights of two merges, in one line; None when it does not.
+
+    ``before`` (:func:`weight_file_stats` taken before a merge into ``folder``) names the files
+    that merge left untouched: an earlier merge's. Without it the folder cannot say which merge is
+    newer, only that it holds weight files the load does not read.
+    """
+    folder = Path(folder)
+    fix = "or merge into an empty folder"
+    if before is None:
+        unread = unread_weight_files(folder)
+        if not unread:
+            return None
+        return (
+            f"{folder} holds two merges: transformers loads {weights_entry(folder)}, and "
+            f"{_names(unread)} beside it {'is' if len(unread) == 1 else 'are'} another merge's, "
+            f"never loaded (nothing says which is newer): remove the earlier merge's files, {fix}"
+        )
+    now = weight_file_stats(folder)
+    stale = _entries_first(name for name, st in now.items() if before.get(name) == st)
+    if not stale:
+        return None
+    read = {weights_entry(folder), *(loaded_weight_files(folder) or [])}
+    instead = " and which transformers loads instead of the new weights" * bool(read & {*stale})
+    return (
+        f"{folder} still holds {_names(stale)} from an earlier merge, which this merge did not "
+        f"write{instead}: remove {'it' if len(stale) == 1 else 'them'}, {fix}"
+    )
+
+
+def _entries_first(names: Iterable[str]) -> list[str]:
+    """Sorted, the files transformers looks for first (an index before its shards)."""
+    return sorted(names, key=lambda name: (name not in LOAD_ORDER, name))
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    """``a, b, c and 2 more``: a list a one-line message can hold."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def cache_key(ref: str) -> str:

@@ -18,10 +18,11 @@ import pytest
 import tiny
 import torch
 import yaml
+from click.testing import CliRunner
 from tiny import BIN, script_env
 from transformers import AutoModelForCausalLM
 
-from mergekit_darts import apply_surgery, load_surgery, run_surgery
+from mergekit_darts import apply_surgery, identity, load_surgery, run_surgery
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.deploy.export import export
 from mergekit_darts.errors import SurgeryFormatError
@@ -257,3 +258,94 @@ def test_export_and_identity_follow_the_file_transformers_loads(
     apply_surgery(merged, out / "surgery", "math")
     expected = logits(merged, ids)
     assert (logits(exported, ids) - expected).abs().max() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# A merge written beside an earlier merge's weights is never calibrated.
+#
+# The second merge's files do not replace the first's when their layouts differ (one file, or
+# shards and their index): transformers would load the earlier ``model.safetensors`` before the
+# new shards, so calibrating there would fit the wrong weights. The hooked merge names the file
+# it did not write; ``mergekit-darts calibrate`` cannot tell which merge is newer, but says the
+# folder holds two.
+
+
+def merge_recipe(tiny_family: Any, math: float, block: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "merge_method": "task_arithmetic",
+        "base_model": str(tiny_family.base),
+        "models": [
+            {"model": str(tiny_family.math), "parameters": {"weight": math}},
+            {"model": str(tiny_family.code), "parameters": {"weight": 0.5}},
+        ],
+        "dtype": "float32",
+        "surgery": block,
+    }
+
+
+def hooked_merge(config: dict[str, Any], out: Path, sharded: bool) -> None:
+    """The hook's merge path (real mergekit, then the surgery), as ``mergekit-yaml`` with or
+    without ``--out-shard-size 100K``, an existing ``surgery/`` replaced as
+    ``DARTS_OVERWRITE_SURGERY=1`` asks."""
+    import inspect
+
+    import mergekit.merge
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+
+    from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
+
+    options = MergeOptions(quiet=True, out_shard_size=100_000 if sharded else 5 * 10**9)
+    merge_with_surgery(
+        inspect.unwrap(mergekit.merge.run_merge),
+        MergeConfiguration.model_validate(config),
+        str(out),
+        options,
+        yaml.safe_dump(config, sort_keys=False),
+        overwrite=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("sharded_first", "stale"),
+    [(False, "model.safetensors"), (True, "model.safetensors.index.json")],
+    ids=["stale-single", "stale-shards"],
+)
+def test_a_merge_beside_an_earlier_merges_weights_is_refused_before_calibrating(
+    tiny_family: Any,
+    calibration_data: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    sharded_first: bool,
+    stale: str,
+) -> None:
+    from mergekit_darts.cli import main
+    from mergekit_darts.errors import SurgeryConfigError
+
+    block = tiny.one_task_block(tiny_family, calibration_data)
+    out = tmp_path / "out"
+    hooked_merge(merge_recipe(tiny_family, 0.5, block), out, sharded=sharded_first)
+    assert (out / "surgery").is_dir()
+    second = merge_recipe(tiny_family, 0.2, block)
+    with pytest.raises(SurgeryConfigError) as info:
+        hooked_merge(second, out, sharded=not sharded_first)
+    message = str(info.value)
+    assert f"{out} still holds {stale}" in message and "from an earlier merge" in message, message
+    assert "merge into an empty folder" in message and "\n" not in message
+    assert not (out / "surgery").exists()  # the first merge's surgery stays set aside
+    assert len(list(out.glob("surgery.set-aside-*"))) == 1
+
+    (tmp_path / "merge.yml").write_text(yaml.safe_dump(second))
+    run = CliRunner().invoke(main, ["calibrate", str(out), str(tmp_path / "merge.yml")])
+    assert run.exit_code == 1 and run.output.count("\n") == 1, run.output
+    assert f"{out} holds two merges" in run.output and stale in run.output, run.output
+    assert not (out / "surgery").exists()
+    capsys.readouterr()
+    plain = {key: value for key, value in second.items() if key != "surgery"}
+    hooked_merge(plain, out, sharded=not sharded_first)  # a merge without a block is told
+    assert f"{out} still holds {stale}" in capsys.readouterr().err
+
+    unread = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()
+    for name in [*set(unread), stale] if sharded_first else [stale]:
+        (out / name).unlink()  # what the message asks: the earlier merge's files removed
+    identity.check_one_merge(out)

@@ -393,6 +393,23 @@ def test_merge_grid_errors_before_any_merge(spec_file, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_merged_folder_holding_two_merges_is_refused_before_anything_runs(spec_file, tmp_path):
+    """transformers would load the single file and never the shards beside it: which merge the
+    cells fit cannot be told, so none runs."""
+    spec = yaml.safe_load(spec_file.read_text())
+    merged = Path(shutil.copytree(spec["merged"], tmp_path / "merged"))
+    shutil.copy(merged / "model.safetensors", merged / "model-00001-of-00002.safetensors")
+    spec |= {"merged": str(merged), "output": str(tmp_path / "out")}
+    path = tmp_path / "sweep.yml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SurgeryConfigError) as info:
+        sweep.run_sweep(sweep.load_spec(path), tmp_path / "out")
+    message = str(info.value)
+    assert message.startswith(f"sweep.merged: {merged} holds two merges"), message
+    assert "model-00001-of-00002.safetensors" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()
+
+
 def test_best_merge_is_the_highest_mean_average_per_method():
     def cell(merge, module, seed, a, b):
         settings = {"merge": merge, "module": module, "seed": seed}

@@ -60,11 +60,14 @@ def merge_with_surgery(
     The block, its files and its targets are checked against the merge's base model before
     ``run_merge`` starts. ``overwrite=None`` reads ``DARTS_OVERWRITE_SURGERY``. An existing
     ``surgery/`` (allowed by the overwrite flag, or the merge has no block) is set aside before
-    the merge (:func:`set_aside`) and put back if the merge reproduced its weights.
+    the merge (:func:`set_aside`) and put back if the merge reproduced its weights. Weight files
+    of an earlier merge that this one left beside its own (another shard layout) stop the
+    surgery before it starts, and keep an old ``surgery/`` aside.
     """
     # imported here, not at the top: install() runs on every `mergekit-yaml --help`
     from mergekit_darts.config import surgery_block
-    from mergekit_darts.errors import DartsError
+    from mergekit_darts.errors import DartsError, SurgeryConfigError
+    from mergekit_darts.identity import two_merges, weight_file_stats
     from mergekit_darts.integrations.upstream import neox_buffers_optional
 
     env_flag(NO_HOOK)  # the startup hook only warned about a value that is not a boolean
@@ -77,17 +80,23 @@ def merge_with_surgery(
         prepared = prepare_merge_surgery(
             block, merge_config, out_path, options, overwrite=overwrite
         )
+    before = weight_file_stats(out_path)
     aside = set_aside(out_path)
     result = run_merge(merge_config, out_path, options=options, config_source=config_source)
-    if aside is not None and put_back(aside, out_path):
+    stale = two_merges(out_path, before)  # nothing is put back onto, or fitted to, such a folder
+    if aside is not None and stale is None and put_back(aside, out_path):
         aside = None
     if prepared is not None:
         try:
+            if stale is not None:
+                raise SurgeryConfigError(stale)
             finish_merge_surgery(prepared, out_path, options)
         except DartsError as err:
             raise type(err)(_after_merge(str(err), out_path, aside)) from err
         if aside is not None:  # replaced, as the overwrite flag asked
             shutil.rmtree(aside)
+    elif stale is not None:  # a plain merge is mergekit's own: told, not refused
+        _report(stale)
     return result
 
 
@@ -236,11 +245,17 @@ def prepare_merge_surgery(
 
 
 def finish_merge_surgery(prepared: PreparedSurgery, out_path: str, options: Any) -> None:
-    """The surgery on the folder ``run_merge`` just wrote."""
+    """The surgery on the folder ``run_merge`` just wrote.
+
+    A folder holding two merges is refused first (``mergekit-multi``'s stages, whose merges this
+    module does not wrap: by the files the load does not read).
+    """
     from mergekit_darts.config import check_targets
+    from mergekit_darts.identity import check_one_merge
     from mergekit_darts.integrations.lm_eval_dev import check_dev
     from mergekit_darts.integrations.post_merge import run_prepared
 
+    check_one_merge(out_path)
     # The merge may have built its own tokenizer: check the targets against what it wrote.
     targets = check_targets(
         prepared.tasks,

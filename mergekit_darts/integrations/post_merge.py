@@ -22,6 +22,7 @@ from mergekit_darts.calibrate.pipeline import (
 from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.config import SurgeryConfig
 from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.identity import check_one_merge
 from mergekit_darts.integrations.card import print_summary, update_model_card
 from mergekit_darts.integrations.lm_eval_dev import check_dev
 from mergekit_darts.integrations.record import record_block
@@ -51,6 +52,7 @@ def run_surgery(
         raise SurgeryConfigError(
             f"{merged} is not a merged model folder (no config.json); run the merge first"
         )
+    check_one_merge(merged)
     prepared = prepare_surgery(
         surgery_config,
         reference=str(merged.resolve()),

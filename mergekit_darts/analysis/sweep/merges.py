@@ -20,6 +20,7 @@ from mergekit_darts import fs
 from mergekit_darts.analysis.sweep.spec import SweepSpec
 from mergekit_darts.config import read_yaml
 from mergekit_darts.errors import SurgeryConfigError
+from mergekit_darts.identity import two_merges
 
 MERGES = "merges"  # <output>/merges/<yaml stem>/
 MERGE_MARKER = ".darts-sweep-merge"  # sha256 of the merge YAML the folder was made from
@@ -47,6 +48,9 @@ def locate_merges(spec: SweepSpec, output: Path) -> list[Merge]:
         merged = Path(spec.merged).expanduser().resolve()
         if not (merged / "config.json").is_file():
             raise SurgeryConfigError(f"sweep.merged: no model (config.json) in {merged}")
+        problem = two_merges(merged)
+        if problem is not None:
+            raise SurgeryConfigError(f"sweep.merged: {problem}")
         if fs.inside(output, merged):
             raise SurgeryConfigError(
                 f"sweep.output: {output} is inside the merged model folder {merged}, which a "
