@@ -135,12 +135,13 @@ def weight_file_stats(folder: str | Path) -> dict[str, tuple[int, int, int, int]
     folder = Path(folder)
     if not folder.is_dir():
         return {}
-    found = {}
-    for path in folder.iterdir():
-        if is_weight_file(path) and path.is_file():
-            st = path.stat()
-            found[path.name] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-    return found
+    return {p.name: _stat(p) for p in folder.iterdir() if is_weight_file(p) and p.is_file()}
+
+
+def _stat(path: Path) -> tuple[int, int, int, int]:
+    """(size, mtime_ns, ctime_ns, inode): what a rewrite, an edit in place or a copy changes."""
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def check_one_merge(folder: str | Path, before: Stats | None = None) -> None:
@@ -202,21 +203,22 @@ def cache_key(ref: str) -> str:
     the folder gets another key (its captures are recomputed), an edit in place a new mtime. The
     model card, the merge recipe (``mergekit_config.yml``), ``surgery/`` and hidden files are
     left out: writing a surgery into a merged folder (which records its block in the recipe) must
-    not make its captures look stale.
+    not make its captures look stale. So are the weight files and indexes the load does not read
+    (:func:`unread_weight_files`): removing an earlier save's leftover shards changes no capture.
     """
     folder = Path(ref)
     if not folder.is_dir():
         return "hub:" + ref  # disk entries need a local folder (see CaptureStore)
+    unread = set(unread_weight_files(folder))
     digest = hashlib.sha256()
     for path in sorted(folder.iterdir()):
         if path.name.startswith(".") or path.suffix == ".md" or path.name == RECIPE:
             continue  # not the model: the card and recipe are rewritten by surgery itself
-        if not path.is_file():
+        if not path.is_file() or path.name in unread:
             continue
         digest.update(path.name.encode() + b"\0")
         if path.suffix in WEIGHT_SUFFIXES:
-            st = path.stat()
-            digest.update(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}".encode())
+            digest.update(":".join(map(str, _stat(path))).encode())
         else:
             digest.update(hashlib.sha256(path.read_bytes()).digest())
         digest.update(b"\0")

@@ -126,6 +126,30 @@ def test_changed_weights_or_tokenizer_mean_a_new_key(family, loads, tmp_path):
 
 
 @pytest.mark.slow
+def test_only_the_files_a_load_reads_are_in_a_models_key(family, loads, tmp_path):
+    """An earlier save's shards and index beside a target's ``model.safetensors`` are never
+    loaded (transformers reads the single file first): removing them keeps a warm store warm;
+    rewriting the file it reads does not."""
+    cache = tmp_path / "cache"
+    math = family["math"]
+    shard = "model-00001-of-00001.safetensors"
+    shutil.copy(math / "model.safetensors", math / shard)
+    tensors = load_file(math / shard)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, shard)}
+    (math / "model.safetensors.index.json").write_text(json.dumps(index))
+    run_surgery(family["merged"], block(family, cache), progress=False)
+    (math / shard).unlink()
+    (math / "model.safetensors.index.json").unlink()
+    loads.clear()
+    run_surgery(family["merged"], block(family, cache), overwrite=True, progress=False)
+    assert loads == []  # the same files read: the same key
+    rewrite_weights(math, seed=7)
+    loads.clear()
+    run_surgery(family["merged"], block(family, cache), overwrite=True, progress=False)
+    assert loads == ["math"]
+
+
+@pytest.mark.slow
 def test_card_and_surgery_do_not_change_a_models_key(family):
     key = model_identity(str(family["merged"]))
     run_surgery(family["merged"], block(family), progress=False)  # writes surgery/ and README.md

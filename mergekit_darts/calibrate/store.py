@@ -12,8 +12,9 @@ caught too. An entry that fails any check on reading (header, checksum, shapes, 
 not finite) is recomputed and overwritten, never used. The disk store is optional: a write that
 fails (a full disk) is one warning, and the run goes on with its captures in memory.
 
-A model is keyed by :func:`mergekit_darts.identity.cache_key` (weight files by their metadata,
-the rest by content). Which model is loaded when is :mod:`mergekit_darts.calibrate.collect`'s job.
+A model is keyed by :func:`mergekit_darts.identity.cache_key` (the weight files its load reads,
+by the identity's one rule, by their metadata; the rest by content). Which model is loaded when
+is :mod:`mergekit_darts.calibrate.collect`'s job.
 """
 
 from __future__ import annotations
