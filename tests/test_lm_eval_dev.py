@@ -15,6 +15,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import tiny
 import torch
@@ -25,16 +26,17 @@ from tiny import PROMPTS, change_task, merge, merge_config, refuse, surgery_bloc
 
 from lm_eval_darts.model import DartsHFLM
 from mergekit_darts import run_surgery
-from mergekit_darts.calibrate.dev import DevJudge
+from mergekit_darts.calibrate.dev import DevJudge, per_document
 from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer
 from mergekit_darts.calibrate.store import StoreStats
-from mergekit_darts.calibrate.verdict import DEV_TEST, signed_rank_test
+from mergekit_darts.calibrate.verdict import DEV_TEST, Wording, decide, signed_rank_test
 from mergekit_darts.config import parse_surgery, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.integrations.lm_eval_dev import LmEvalDev
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 DEV, DEV_GEN = "darts_tiny_dev", "darts_tiny_dev_gen"
+DEV_COT = "darts_tiny_dev_cot"  # DEV's data files under another template (gsm8k_cot to gsm8k)
 LIMIT = 10  # train documents 10 and 11 may not judge (see darts_tiny_dev.yaml)
 
 
@@ -67,6 +69,8 @@ def independent_outcomes(model: Any, documents: dict[str, int]) -> list[float]:
     tasks, metrics = [], {}
     for name in documents:
         config = yaml.safe_load((TASKS_DIR / f"{name}.yaml").read_text())
+        if "include" in config:  # a task written as another's YAML with a few keys changed
+            config = {**yaml.safe_load((TASKS_DIR / config.pop("include")).read_text()), **config}
         tasks.append({**config, "test_split": "train"})
         metrics[name] = config["metric_list"][0]["metric"]
     with contextlib.chdir(TASKS_DIR):
@@ -131,14 +135,8 @@ def _binomial(n: int, k: int) -> int:
     return comb(n, k)
 
 
-@pytest.mark.slow
-def test_a_candidate_is_scored_with_its_module_applied_as_hf_darts_applies_it(
-    tiny_merged, tmp_path
-):
-    """A random module strong enough to change outcomes: the judge's scores with it equal
-    ``hf-darts`` with the same module written to a surgery folder, and differ from none."""
-    merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
-    module = tiny.random_module("pos_corr", 64, 4, 16, seed=3, scale=1.0)
+def dev_scorer(merged: Path, eval_tasks: list[str]) -> tuple[LmEvalDev, DevJudge]:
+    """The checked dev documents of one task judged on ``eval_tasks``, and a judge on ``merged``."""
     block = {
         "device": "cpu",
         "select": lm_eval_select(split="train", limit=LIMIT),
@@ -146,7 +144,7 @@ def test_a_candidate_is_scored_with_its_module_applied_as_hf_darts_applies_it(
             {
                 "name": "math",
                 "target": "t",
-                "eval_tasks": [DEV, DEV_GEN],
+                "eval_tasks": eval_tasks,
                 "calibration": {"path": "unused.jsonl"},  # no prompt: nothing to overlap
             }
         ],
@@ -156,9 +154,19 @@ def test_a_candidate_is_scored_with_its_module_applied_as_hf_darts_applies_it(
     tokenizer = merged_tokenizer(str(merged), False)
     with contextlib.chdir(TASKS_DIR):
         scorer = LmEvalDev.check(task, [], tokenizer)
-    judge = DevJudge(
-        str(merged), Runtime.of(config, tokenizer, False), {"math": scorer}, StoreStats()
-    )
+    runtime = Runtime.of(config, tokenizer, False)
+    return scorer, DevJudge(str(merged), runtime, {"math": scorer}, StoreStats())
+
+
+@pytest.mark.slow
+def test_a_candidate_is_scored_with_its_module_applied_as_hf_darts_applies_it(
+    tiny_merged, tmp_path
+):
+    """A random module strong enough to change outcomes: the judge's scores with it equal
+    ``hf-darts`` with the same module written to a surgery folder, and differ from none."""
+    merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
+    module = tiny.random_module("pos_corr", 64, 4, 16, seed=3, scale=1.0)
+    _, judge = dev_scorer(merged, [DEV, DEV_GEN])
     generators = random.getstate(), torch.random.get_rng_state()
     try:
         none = judge.outcomes("math", None, 4, {})
@@ -177,6 +185,82 @@ def test_a_candidate_is_scored_with_its_module_applied_as_hf_darts_applies_it(
     assert corrected.values == independent_outcomes(darts, documents)
     assert none.values == independent_outcomes(merged, documents)
     assert corrected.values != none.values  # the module was applied: this test can fail
+
+
+def test_a_document_two_tasks_read_is_one_paired_item(tiny_merged):
+    """darts_tiny_dev and darts_tiny_dev_cot read the same train file, as gsm8k and gsm8k_cot
+    read gsm8k's: each judged document is one item, its outcome the mean of the two tasks'
+    outcomes on it, and the test pairs as many items as there are documents."""
+    scorer, judge = dev_scorer(tiny_merged, [DEV, DEV_COT])
+    module = tiny.random_module("pos_corr", 64, 4, 16, seed=3, scale=1.0)
+    try:
+        none = judge.outcomes("math", None, 4, {})
+        corrected = judge.outcomes("math", module, 4, {})
+    finally:
+        judge.close()
+    assert none.items == corrected.items == [f"{DEV}/{i}+{DEV_COT}/{i}" for i in range(LIMIT)]
+    assert signed_rank_test(corrected.values, none.values)["prompts"] == LIMIT
+    assert scorer.description == (
+        f"the {LIMIT} train documents of {DEV}, {DEV_COT} (read {2 * LIMIT} times: each "
+        "document one item, the mean of its outcomes)"
+    )
+    per_task = independent_outcomes(tiny_merged, {DEV: LIMIT, DEV_COT: LIMIT})
+    assert none.values == [
+        (a + b) / 2 for a, b in zip(per_task[:LIMIT], per_task[LIMIT:], strict=True)
+    ]
+    assert per_task[:LIMIT] != per_task[LIMIT:]  # the templates differ: the mean is a real one
+    assert corrected.values != none.values
+
+
+def test_readings_of_one_document_pool_into_one_item_in_first_reading_order():
+    readings = [("a/0", "x", 1.0), ("b/0", "y", 0.0), ("b/1", "x", 0.0), ("a/1", "z", 1.0)]
+    pooled = per_document(readings)
+    assert pooled.items == ["a/0+b/1", "b/0", "a/1"]
+    assert pooled.values == [0.5, 0.0, 1.0]
+
+
+def _kept_under_the_null(trials: int, pooled: bool, seed: int) -> float:
+    """How often ``decide`` keeps a correction no better than none, on 12 dev documents that two
+    tasks both read (24 readings).
+
+    Per document each model has an ability, drawn alike for both (the null: the correction
+    is no better), that decides its outcome on both tasks up to a little noise of each task's
+    own, as one model tends to get a gsm8k question right or wrong under either template.
+    ``pooled``: one item per document (:func:`per_document`); else each reading an item.
+    """
+    rng = np.random.default_rng(seed)
+    documents, tasks = 12, 2
+    kept = 0
+    for _ in range(trials):
+        ability = rng.standard_normal((2, documents, 1))
+        outcome = ability + 0.3 * rng.standard_normal((2, documents, tasks)) > 0
+        entries = []
+        for module, rows in zip(("none", "pos_corr"), outcome.astype(float), strict=True):
+            readings = [
+                (f"t{t}/{d}", str(d), float(rows[d, t]))
+                for t in range(tasks)
+                for d in range(documents)
+            ]
+            values = per_document(readings).values if pooled else [v for *_, v in readings]
+            entries.append(
+                {
+                    "module": module,
+                    "loss": None,
+                    "verdict": {"lm_eval": values},
+                    "held_out": {"lm_eval": float(np.mean(values))},
+                }
+            )
+        wording = Wording("acc", "dev", "items", "the 12 train documents")
+        kept += decide(entries, ["none", "pos_corr"], "lm_eval", 0.05, wording).chosen != 0
+    return kept / trials
+
+
+def test_with_shared_documents_a_correction_is_kept_at_most_alpha_of_the_time():
+    # 4000 trials: the binomial standard error at 0.05 is 0.0034
+    bound = 0.05 + 3 * (0.05 * 0.95 / 4000) ** 0.5
+    assert _kept_under_the_null(4000, pooled=True, seed=0) <= bound
+    # each document counted once per task: dependent items, kept more often than alpha
+    assert _kept_under_the_null(4000, pooled=False, seed=0) > bound
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ hooks (the plain model for ``none``), so no candidate reloads a model.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,10 +27,29 @@ from mergekit_darts.core.correction import SurgeryModule
 
 @dataclass(frozen=True)
 class DevOutcomes:
-    """One candidate's per-item scores on the dev documents, in one fixed order."""
+    """One candidate's per-item scores on the dev documents, in one fixed order: one item per
+    distinct document (:func:`per_document`)."""
 
-    items: list[str]  # "<lm-eval task>/<document index in the dev split>"
+    items: list[str]  # "<lm-eval task>/<document index in the dev split>", "+"-joined when shared
     values: list[float]
+
+
+def per_document(readings: Iterable[tuple[str, str, float]]) -> DevOutcomes:
+    """One item per distinct document, its outcome the mean of its readings.
+
+    ``readings``: (label, document identity, outcome) per document each lm-eval task scored.
+    The verdict's exact test pairs items that are independent under its null; two tasks that
+    read the same document (gsm8k and gsm8k_cot on gsm8k's train split) score it twice, with
+    outcomes that move together, and counted as two items they would let a correction pass
+    more often than ``alpha``. Items keep the order of their first reading.
+    """
+    documents: dict[str, list[tuple[str, float]]] = {}
+    for label, identity, value in readings:
+        documents.setdefault(identity, []).append((label, value))
+    return DevOutcomes(
+        ["+".join(label for label, _ in read) for read in documents.values()],
+        [sum(value for _, value in read) / len(read) for read in documents.values()],
+    )
 
 
 class DevScorer(Protocol):

@@ -10,13 +10,15 @@ During training, :class:`LmEvalDev` scores the merged model that
 :class:`~mergekit_darts.calibrate.dev.DevJudge` holds (one load, each candidate applied with
 hooks) with lm-eval's ``simple_evaluate`` through an ``HFLM`` around that model object, with the
 task set to evaluate the dev split and ``log_samples`` giving each document's outcome: the task's
-first metric under its first filter. lm-eval is imported only here and only when called.
+first metric under its first filter, one item per distinct document however many of the tasks
+read it. lm-eval is imported only here and only when called.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from mergekit_darts.calibrate.dev import DevOutcomes
+from mergekit_darts.calibrate.dev import DevOutcomes, per_document
 from mergekit_darts.calibrate.pipeline import PreparedSurgery
 from mergekit_darts.calibrate.runtime import merged_tokenizer
 from mergekit_darts.config import ResolvedTask
@@ -59,6 +61,7 @@ class _Part:
     name: str
     task: Any  # lm-eval's Task, its test_split now the dev split
     indices: list[int]  # the judging documents' positions in the dev split, ascending
+    documents: list[str]  # each judging document's identity (_identity), in ``indices`` order
     metric: str  # its first metric: one value per document
     filter: str  # its first filter: the responses that metric reads
     evaluated: str  # the split lm-eval evaluates it on
@@ -70,9 +73,15 @@ class LmEvalDev:
     def __init__(self, split: str, parts: list[_Part], include_path: str | None) -> None:
         self.split, self.parts, self.include_path = split, parts, include_path
         self.metric = "/".join(dict.fromkeys(part.metric for part in parts))
-        items = sum(len(part.indices) for part in parts)
+        readings = sum(len(part.documents) for part in parts)
+        distinct = len({identity for part in parts for identity in part.documents})
         names = ", ".join(part.name for part in parts)
-        self.description = f"the {items} {split} documents of {names}"
+        shared = (
+            f" (read {readings} times: each document one item, the mean of its outcomes)"
+            if readings > distinct
+            else ""
+        )
+        self.description = f"the {distinct} {split} documents of {names}{shared}"
         self._lms: dict[tuple[int, int], Any] = {}
 
     @classmethod
@@ -102,7 +111,8 @@ class LmEvalDev:
         }
 
     def score(self, model: nn.Module, batch_size: int) -> DevOutcomes:
-        """lm-eval's per-document outcomes of ``model`` (as it is, hooks included)."""
+        """lm-eval's per-document outcomes of ``model`` (as it is, hooks included), one item per
+        distinct document however many of the tasks read it (:func:`per_document`)."""
         from lm_eval import simple_evaluate
 
         out = simple_evaluate(
@@ -113,12 +123,12 @@ class LmEvalDev:
             log_samples=True,
             task_manager=_manager(None, defaults=False),  # the tasks come loaded
         )
-        items, values = [], []
+        readings = []
         for part in self.parts:
             logged = {
                 s["doc_id"]: s for s in out["samples"][part.name] if s["filter"] == part.filter
             }
-            for index in part.indices:
+            for index, identity in zip(part.indices, part.documents, strict=True):
                 value = logged[index][part.metric]
                 if isinstance(value, bool):
                     value = float(value)
@@ -128,9 +138,8 @@ class LmEvalDev:
                         f"{type(value).__name__}, not a number (a corpus-level metric): select "
                         "metric lm_eval needs a per-document score such as acc or exact_match"
                     )
-                items.append(f"{part.name}/{index}")
-                values.append(float(value))
-        return DevOutcomes(items, values)
+                readings.append((f"{part.name}/{index}", identity, float(value)))
+        return per_document(readings)
 
     def close(self) -> None:
         self._lms.clear()
@@ -216,7 +225,8 @@ def _check_part(
                 "calibrate on other prompts"
             )
     first_filter = loaded._filters[0].name  # the filter ensembles lm-eval built (no public name)
-    return _Part(name, loaded, indices, metric, first_filter, evaluated)
+    documents = [_identity(docs[index]) for index in indices]
+    return _Part(name, loaded, indices, documents, metric, first_filter, evaluated)
 
 
 def _load_task(name: str, include_path: str | None, key: str, eval_key: str) -> Any:
@@ -273,6 +283,13 @@ def _text(task: Any, doc: Any) -> str:
     """A document's input as lm-eval builds it (the whole document where that is not text)."""
     text = task.doc_to_text(doc)
     return text if isinstance(text, str) else json.dumps(doc, sort_keys=True, default=str)
+
+
+def _identity(doc: Any) -> str:
+    """A document's identity: sha256 of its content as the task yields it, so tasks reading the
+    same split of the same data (gsm8k, gsm8k_cot) name each of its documents alike."""
+    text = json.dumps(doc, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _target(task: Any, doc: Any) -> str:
