@@ -201,7 +201,9 @@ class PosCorrSurgery(_Bottleneck):
 
     def __init__(self, hidden_size: int, rank: int, max_positions: int):
         super().__init__(hidden_size, rank, max_positions)
-        self.position_bias = nn.Parameter(torch.zeros(max_positions, hidden_size))
+        self.position_bias = nn.Parameter(
+            torch.zeros(max_positions, hidden_size, dtype=torch.float32)
+        )
 
     def correction(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         return self.content(h) + self._position_rows(self.position_bias, positions)
@@ -215,7 +217,9 @@ class _PositionEmbedding(_Bottleneck):
 
     def __init__(self, hidden_size: int, rank: int, max_positions: int):
         super().__init__(hidden_size, rank, max_positions)
-        self.position_embedding = nn.Parameter(torch.zeros(max_positions, hidden_size))
+        self.position_embedding = nn.Parameter(
+            torch.zeros(max_positions, hidden_size, dtype=torch.float32)
+        )
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -280,7 +284,7 @@ class HeadSurgery(SurgeryModule):
 
     def __init__(self, hidden_size: int, rank: int, max_positions: int):
         super().__init__(hidden_size, rank, max_positions)
-        self.weight = nn.Parameter(torch.zeros(hidden_size, hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size, hidden_size, dtype=torch.float32))
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -308,7 +312,7 @@ class NormSurgery(SurgeryModule):
 
     def __init__(self, hidden_size: int, rank: int, max_positions: int):
         super().__init__(hidden_size, rank, max_positions)
-        self.shift = nn.Parameter(torch.zeros(hidden_size))
+        self.shift = nn.Parameter(torch.zeros(hidden_size, dtype=torch.float32))
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
