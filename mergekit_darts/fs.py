@@ -69,22 +69,36 @@ def staged_folder(folder: str | Path, *, replace: bool = True) -> Iterator[Path]
     """Yield an empty staging folder; on success it becomes ``folder``.
 
     With ``replace`` an existing ``folder`` is moved aside and removed once the new one is in
-    place; without it ``folder`` must be absent or empty. The staging folder gets the permissions
-    of a plain ``mkdir`` (``mkdtemp`` would make it 0700).
+    place; without it ``folder`` must be absent or empty.
     """
+    staging = new_staging(folder)
+    try:
+        yield staging
+        swap_into_place(staging, folder, replace=replace)
+    except BaseException:
+        discard(staging)
+        raise
+
+
+def new_staging(folder: str | Path) -> Path:
+    """An empty staging sibling of ``folder`` for :func:`swap_into_place`, for writers whose
+    work spans more than one block (a sweep cell: calibrated, then scored). It gets the
+    permissions of a plain ``mkdir`` (``mkdtemp`` would make it 0700)."""
     folder = Path(os.path.abspath(folder))  # abspath: "." and "x/" have names
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     os.chmod(staging, 0o777 & ~_umask())
-    try:
-        yield staging
-        _swap_into_place(staging, folder, replace)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    return staging
 
 
-def _swap_into_place(staging: Path, folder: Path, replace: bool) -> None:
+def discard(staging: str | Path) -> None:
+    """Remove a staging folder that will not be swapped in."""
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def swap_into_place(staging: str | Path, folder: str | Path, *, replace: bool = True) -> None:
+    """Make the filled ``staging`` folder ``folder`` by one rename (see :func:`staged_folder`)."""
+    staging, folder = Path(staging), Path(os.path.abspath(folder))
     if folder.is_dir() and not any(folder.iterdir()):
         folder.rmdir()  # os.replace needs it gone on every platform
     if not folder.exists():

@@ -496,6 +496,64 @@ def test_a_changed_task_file_rescores_the_cells(
     assert run()["fingerprint"] != changed["fingerprint"] and evaluate.calls == 4
 
 
+def folder_listing(folder: Path) -> dict[str, str]:
+    """Relative path -> link target or file bytes' sha256 of everything under ``folder`` (the
+    manifest only named: it records timings)."""
+    import hashlib
+
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        name = str(path.relative_to(folder))
+        if path.is_symlink():
+            found[name] = "-> " + str(path.readlink())
+        elif path.name == "manifest.json":
+            found[name] = "manifest"
+        elif path.is_file():
+            found[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+@pytest.mark.slow
+def test_a_rerun_cell_replaces_its_folder_and_its_scores(
+    spec_file: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A merge made by ``mergekit-yaml`` with a block keeps it in ``mergekit_config.yml``, and
+    each cell records its own block there (a file, no longer a link): a cell rerun after its task
+    data changed is written as a first run would write it, and results.md shows the new scores."""
+    data = yaml.safe_load(spec_file.read_text())
+    merged = Path(shutil.copytree(data["merged"], tmp_path / "merged"))
+    recipe = merged / "mergekit_config.yml"
+    recipe.write_text(f"{recipe.read_text()}\n{yaml.safe_dump({'surgery': data['surgery']})}")
+    tasks = Path(shutil.copytree(data["eval"]["include_path"], tmp_path / "tasks"))
+    items = tasks / "items.jsonl"
+    for name in EVAL_TASKS:  # the copied YAMLs read the copied data
+        path = tasks / f"{name}.yaml"
+        config = yaml.safe_load(path.read_text())
+        config["dataset_kwargs"]["data_files"]["test"] = str(items)
+        path.write_text(yaml.safe_dump(config))
+    data.pop("compare")
+    data["eval"]["include_path"] = str(tasks)
+    data |= {"merged": str(merged), "baseline": False, "grid": {"seed": [0]}}
+    path = tmp_path / "sweep.yml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+    def run(output: str) -> tuple[Path, str]:
+        written = sweep.run_spec_file(path, output=tmp_path / output)
+        (cell,) = (tmp_path / output / "cells").iterdir()
+        return cell, written["markdown"].read_text()
+
+    cell, first = run("out")
+    assert not (cell / "model" / "mergekit_config.yml").is_symlink()  # the cell's own block
+    one_choice_thrice(items)
+    cell, markdown = run("out")
+    assert markdown != first and "| 100.0 | 100.0 | 100.0 |" in markdown, markdown
+    fresh, fresh_markdown = run("fresh")
+    assert markdown == fresh_markdown
+    assert folder_listing(cell / "model") == folder_listing(fresh / "model")
+    assert sorted(p.name for p in cell.parent.iterdir()) == [cell.name]  # nothing left beside it
+
+
 EDITS = [  # file, text, replacement: each changes what lm-eval would evaluate
     ("data/a.jsonl", "one", "uno"),
     ("data/b.jsonl", "two", "dos"),

@@ -3,7 +3,9 @@
 A cell's surgery is the real post-merge step (``run_surgery``) into the cell's own folder; its
 score is ``lm_eval.simple_evaluate`` through ``hf-darts`` with per-item scores logged, so that
 :mod:`mergekit_darts.analysis.stats` can pair cells. The finished record is ``result.json`` in
-the cell's folder, written atomically: a killed sweep never leaves one that looks finished.
+the cell's folder. A cell is written in a staging folder (its model links, surgery and record)
+and renamed into place once scored, replacing what an earlier run left there: a killed sweep
+never leaves a cell that looks finished, and a rerun cell is what a first run would write.
 """
 
 from __future__ import annotations
@@ -199,19 +201,19 @@ def is_baseline(settings: Mapping[str, Any]) -> bool:
 
 
 def cell_model_dir(merged: Path, cell_dir: Path) -> Path:
-    """A folder that looks like the merged checkpoint (symlinks) so ``run_surgery`` writes here.
+    """A new folder in ``cell_dir`` that looks like the merged checkpoint (symlinks) so
+    ``run_surgery`` writes here.
 
     ``surgery/`` and the model card are not linked: the surgery and its card section of this
-    cell must never land in the user's merged folder.
+    cell must never land in the user's merged folder (nor its recipe: ``run_surgery`` replaces
+    that link with a file recording the cell's block).
     """
     model = cell_dir / "model"
-    model.mkdir(parents=True, exist_ok=True)
+    model.mkdir()
     for item in merged.iterdir():
         if item.name in (SURGERY_DIR, "README.md") or item.name.startswith("."):
             continue
-        link = model / item.name
-        if not link.is_symlink():
-            link.symlink_to(item.resolve(), target_is_directory=item.is_dir())
+        (model / item.name).symlink_to(item.resolve(), target_is_directory=item.is_dir())
     return model
 
 
@@ -361,21 +363,29 @@ class Cell:
     block: dict[str, Any] | None  # None: the baseline
     folder: Path
     key: str
+    staging: Path | None = None  # where the cell is written until it is scored
     surgery_path: Path | None = None
     surgery_s: float = 0.0
 
+    def discard(self) -> None:
+        """Drop a cell that was not scored: what an earlier run left in ``folder`` stays."""
+        if self.staging is not None:
+            fs.discard(self.staging)
+            self.staging = None
+
 
 def calibrate_cell(merged: Path, cell: Cell, store: CaptureStore) -> None:
-    """The cell's surgery (none for the baseline), its captures lent by ``store``."""
-    cell.folder.mkdir(parents=True, exist_ok=True)
+    """The cell's surgery (none for the baseline) in a new staging folder, its captures lent by
+    ``store``."""
+    cell.staging = fs.new_staging(cell.folder)
     if cell.block is not None:
         start = time.perf_counter()
-        cell.surgery_path = cell_surgery(merged, cell.folder, cell.block, store)
+        cell.surgery_path = cell_surgery(merged, cell.staging, cell.block, store)
         cell.surgery_s = time.perf_counter() - start
 
 
 def evaluate_cell(spec: SweepSpec, cell: Cell, task_manager: Any, model: EvalModel) -> dict:
-    """Score a calibrated cell and write its ``result.json``."""
+    """Score a calibrated cell, write its ``result.json`` and rename the cell into place."""
     start = time.perf_counter()
     results = score_surgery(model, cell.surgery_path, spec.eval, task_manager)
     record: dict[str, Any] = {
@@ -392,5 +402,9 @@ def evaluate_cell(spec: SweepSpec, cell: Cell, task_manager: Any, model: EvalMod
     }
     if cell.surgery_path is not None:
         record["rho_l1"], record["eval_rho"] = rho_of(cell.surgery_path, spec.eval)
-    write_json(cell.folder / RESULT, record)
+    if cell.staging is None:  # a caller's slip, not a user's
+        raise RuntimeError(f"sweep cell {record['cell']} was scored before calibrate_cell")
+    write_json(cell.staging / RESULT, record)
+    fs.swap_into_place(cell.staging, cell.folder)
+    cell.staging = None
     return record

@@ -4,8 +4,9 @@ Every cell is validated before anything runs. A cell whose ``result.json`` carri
 fingerprint (merged model's path and weights, cell block, its targets' weights and calibration
 files, eval settings, the eval tasks' config and data files, merge YAML) is skipped, so a killed
 sweep loses only its unscored cells and a changed spec, merge, target, calibration file or eval
-task file reruns exactly the cells it changes. The
-cells share one capture store, so each model is loaded once for capture in the whole sweep.
+task file reruns exactly the cells it changes, each written anew and renamed over its old
+folder. The cells share one capture store, so each model is loaded once for capture in the
+whole sweep.
 """
 
 from __future__ import annotations
@@ -174,11 +175,11 @@ def run_merge_cells(
         else:
             todo.append((len(records), cell))
             records.append(None)
-    for _, cell in todo:
-        progress.set_postfix_str(f"{cell_id(cell.settings)}: surgery")
-        calibrate_cell(merged, cell, store)
     model = EvalModel(merged, spec.eval)
     try:
+        for _, cell in todo:
+            progress.set_postfix_str(f"{cell_id(cell.settings)}: surgery")
+            calibrate_cell(merged, cell, store)
         for index, cell in todo:
             name = cell_id(cell.settings)
             progress.set_postfix_str(f"{name}: evaluation")
@@ -189,4 +190,6 @@ def run_merge_cells(
             records[index] = record
     finally:
         model.close()
+        for _, cell in todo:  # stopped before it was scored: never half a cell in its folder
+            cell.discard()
     return [r for r in records if r is not None]
