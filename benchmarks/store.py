@@ -105,7 +105,7 @@ def sweep_overhead(settings: Any, merged: str, target: str, calib: str, workdir:
     def through_sweep() -> None:
         store = CaptureStore()  # cold each round: one capture of each model per round
         for cell in cells:
-            folder = workdir / "sweep" / sweep.cell_id(cell)
+            folder = fresh_folder(workdir / "sweep" / sweep.cell_id(cell))
             sweep.cell_surgery(Path(merged), folder, sweep.cell_block(base, cell), store)
 
     def bare() -> None:
@@ -221,7 +221,9 @@ def grid_loads(settings: Any, pair: Any, targets: list[str], calib: str, workdir
     with counted_loads() as loaded:
         for merge, folder in zip(merges, folders, strict=True):
             for cell in cells:
-                cell_dir = workdir / "grid" / "cells" / f"{merge.name}__{sweep.cell_id(cell)}"
+                cell_dir = fresh_folder(
+                    workdir / "grid" / "cells" / f"{merge.name}__{sweep.cell_id(cell)}"
+                )
                 sweep.cell_surgery(folder, cell_dir, sweep.cell_block(block, cell), store)
     k, m = len(targets), len(merges)
     return {
@@ -262,3 +264,10 @@ def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) ->
         "grid": grid,
         "ratios": {name: ratio(overhead["ratio"], TARGET_RATIO)},
     }
+
+
+def fresh_folder(folder: Path) -> Path:
+    """``folder``, empty: a cell's model folder is written once (the sweep stages each cell)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
