@@ -33,7 +33,7 @@ from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.core.overlap import NGRAM, CalibrationGrams
 from mergekit_darts.diagnostics import diagnostics_path, read_token_ids
 from mergekit_darts.errors import SurgeryFormatError
-from mergekit_darts.task_map import ROUTED
+from mergekit_darts.task_map import JOINT, ROUTED
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +138,15 @@ class LeakageCheck:
 
     def _load(self, folder: Path, module: str) -> CalibrationGrams | None:
         """The n-grams of ``module``'s calibration prompts; under ``routed``, of every task the
-        router weighs (each request meets all of their modules)."""
+        router weighs (each request meets all of their modules); under ``joint``, of every task
+        it was fitted on."""
         key = (folder, module)
         if key not in self._grams:
             manifest = read_manifest(folder)
             routed = module == ROUTED and manifest.router is not None
             names = manifest.router.tasks if routed else [module]
+            if module == JOINT and manifest.joint is not None:
+                names = manifest.joint.tasks
             grams: CalibrationGrams | None = None
             for name in names:
                 entry = manifest.tasks.get(name)

@@ -34,7 +34,13 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval_darts.hook import register
 from lm_eval_darts.leakage import LeakageCheck
 from mergekit_darts.apply import Correction, SurgeryHandle, model_folder
-from mergekit_darts.artifacts import load_routed, load_surgery, read_manifest, resolve_task
+from mergekit_darts.artifacts import (
+    load_joint,
+    load_routed,
+    load_surgery,
+    read_manifest,
+    resolve_task,
+)
 from mergekit_darts.errors import (
     ModelArgsError,
     SurgeryFormatError,
@@ -42,6 +48,7 @@ from mergekit_darts.errors import (
 )
 from mergekit_darts.task_map import (
     AUTO,
+    JOINT,
     NONE,
     OTHER_WEIGHTS,
     ROUTED,
@@ -94,7 +101,7 @@ class SurgeryPlan:
     """What ``hf-darts`` applies: one task's module, every module behind the folder's router, a
     per-lm-eval-task routing, or nothing."""
 
-    mode: str  # a surgery task name, ROUTED, AUTO or NONE
+    mode: str  # a surgery task name, ROUTED, JOINT, AUTO or NONE
     folder: Path | None = None
     available: tuple[str, ...] = ()
     routes: Mapping[str, str] | None = None  # lm-eval task or glob -> surgery task | NONE (auto)
@@ -127,12 +134,16 @@ class SurgeryPlan:
                 raise ModelArgsError(
                     f"{folder} holds surgery tasks {', '.join(names)}: choose "
                     f"surgery=<task>, surgery=auto (per lm-eval task), "
-                    f"surgery=routed (by the router, if the block had route:) or surgery=none"
+                    f"surgery=routed (by the router, if the block had route:), surgery=joint "
+                    f"(one plain correction for every task, if one was fitted) or surgery=none"
                 )
             surgery = names[0]
         if keyword == ROUTED:
             routed = load_routed(folder, weights=weights)
             return cls(ROUTED, folder, names, modules={ROUTED: routed})
+        if keyword == JOINT:
+            joint = load_joint(folder, weights=weights)
+            return cls(JOINT, folder, names, modules={JOINT: joint})
         if surgery_map is None and keyword != AUTO:
             task = resolve_task(manifest, str(surgery), folder)
             module = load_surgery(folder, task, weights=weights)

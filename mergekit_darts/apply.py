@@ -44,7 +44,7 @@ from mergekit_darts.core.correction import (
     positional_names,
 )
 from mergekit_darts.errors import ModelArgsError, SurgeryFormatError, UnsupportedModelError
-from mergekit_darts.task_map import NONE, ROUTED
+from mergekit_darts.task_map import JOINT, NONE, ROUTED
 
 __all__ = ["Correction", "SurgeryHandle", "apply_surgery", "model_folder"]
 
@@ -125,7 +125,8 @@ class SurgeryHandle:
 
     def set_task(self, task: str | None) -> None:
         """Correct with another task of the ``surgery/`` folder this handle was applied from
-        (``"routed"``: every routed task behind the router; None or ``"none"``: no correction)."""
+        (``"routed"``: every routed task behind the router; ``"joint"``: the joint correction;
+        None or ``"none"``: no correction)."""
         if self._folder is None:
             raise ModelArgsError(
                 "this handle was applied with a module, not a surgery folder: assign "
@@ -193,7 +194,8 @@ def apply_surgery(
     """Correct ``model``'s final hidden state with the surgery module of ``task`` stored at ``path``.
 
     ``path`` is a ``surgery/`` folder (``task`` may be omitted when it holds one task; ``"routed"``
-    applies every routed task's module behind the folder's router) or an already-built
+    applies every routed task's module behind the folder's router, ``"joint"`` the joint plain
+    correction of every task) or an already-built
     :class:`SurgeryModule` / :class:`RoutedSurgery`. A folder calibrated on other weights than
     the model's (its local folder, ``model.name_or_path``; else the one around ``path``) is refused.
     Surgery applied to ``model`` before is replaced. Returns a handle whose ``remove()`` undoes it.
@@ -206,10 +208,12 @@ def apply_surgery(
 
 
 def _load(folder: Path, task: str | None, weights: Path | None) -> Correction:
-    from mergekit_darts.artifacts import load_routed, load_surgery
+    from mergekit_darts.artifacts import load_joint, load_routed, load_surgery
 
     if task == ROUTED:
         return load_routed(folder, weights=weights).eval()
+    if task == JOINT:
+        return load_joint(folder, weights=weights)
     return load_surgery(folder, task, weights=weights).eval()
 
 

@@ -32,6 +32,7 @@ from mergekit_darts.fs import staged_folder
 from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import (
     FORMAT,
+    JOINT_FILE,
     MANIFEST,
     ROUTER,
     SURGERY_YAML,
@@ -39,7 +40,7 @@ from mergekit_darts.manifest import (
     module_file,
     relative_file_name,
 )
-from mergekit_darts.task_map import ROUTED
+from mergekit_darts.task_map import JOINT, ROUTED
 
 
 def expected_shapes(kind: str, hidden_size: int, rank: int, max_positions: int) -> dict[str, tuple]:
@@ -224,6 +225,29 @@ def load_routed(folder: str | Path, *, weights: str | Path | None = None) -> Rou
     return RoutedSurgery(modules, router).eval()
 
 
+def load_joint(folder: str | Path, *, weights: str | Path | None = None) -> SurgeryModule:
+    """The joint correction of ``surgery/joint.safetensors`` (kind ``none`` when its verdict
+    kept none), checked as a task's module is; one line where the block fitted none."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    entry = manifest.joint
+    if entry is None:
+        raise SurgeryFormatError(
+            f"{folder} has no joint correction, so surgery={JOINT} cannot be used: it is fitted "
+            "for blocks of two or more tasks judged by the verdict with a plain candidate "
+            "(module head or norm, e.g. plain: true); re-run `mergekit-darts calibrate`"
+        )
+    check_calibrated_on(manifest, folder, weights)
+    kind, hidden = entry.module, manifest.hidden_size
+    described = f"a joint {kind} module with hidden_size={hidden}"
+
+    def build() -> SurgeryModule:
+        return correction_module(kind, hidden, entry.rank, entry.max_positions)
+
+    owner = "the joint correction"
+    return _load_bound(build, folder, entry.file, entry.sha256, owner, described).eval()
+
+
 def _require_finite(folder: Path, modules: Mapping[str, SurgeryModule], manifest: Manifest) -> None:
     """No module weight or manifest number that is NaN or inf is ever written: one line if so."""
     refused = f"refusing to write {folder}: nothing was written and any existing folder stays"
@@ -259,6 +283,7 @@ def write_surgery_folder(
     *,
     extra_files: Mapping[str, bytes] | None = None,
     router: Router | None = None,
+    joint: SurgeryModule | None = None,
     replace: bool = True,
 ) -> Path:
     """Write modules + manifest to ``folder`` atomically (temporary sibling, then rename).
@@ -267,7 +292,8 @@ def write_surgery_folder(
     filled in here.
     ``extra_files`` (relative name -> bytes: diagnostics, the surgery YAML) land in the same
     staging folder, so they appear together with the modules or not at all.
-    ``router`` (with ``manifest.router`` describing it) is written to ``router.safetensors``.
+    ``router`` (with ``manifest.router`` describing it) is written to ``router.safetensors``,
+    ``joint`` (with ``manifest.joint``) to ``joint.safetensors``.
     An existing ``folder`` is replaced only after the new one is complete; without ``replace``
     it is not (``FileExistsError``).
     """
@@ -276,7 +302,13 @@ def write_surgery_folder(
         manifest = Manifest.from_dict(manifest, where="the manifest to write")
     if (router is None) != (manifest.router is None):
         raise ValueError("pass the router together with the manifest's router entry, or neither")
-    _require_finite(folder, {**modules, **({ROUTED: router} if router else {})}, manifest)
+    if (joint is None) != (manifest.joint is None):
+        raise ValueError(
+            "pass the joint module together with the manifest's joint entry, or neither"
+        )
+    extra_modules = {ROUTED: router, JOINT: joint}
+    checked = {name: m for name, m in extra_modules.items() if m is not None}
+    _require_finite(folder, {**modules, **checked}, manifest)
     for name in extra_files or {}:
         relative_file_name(name)
     with staged_folder(folder, replace=replace) as staging:
@@ -287,6 +319,9 @@ def write_surgery_folder(
         if router is not None:
             manifest.router.sha256 = _write_tensors(staging / ROUTER, router)
             manifest.router.file = ROUTER
+        if joint is not None:
+            manifest.joint.sha256 = _write_tensors(staging / JOINT_FILE, joint)
+            manifest.joint.file = JOINT_FILE
         for name, data in (extra_files or {}).items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_bytes(data)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from mergekit_darts.core.correction import PLAIN_KINDS
 from mergekit_darts.core.spec import ModuleSpec
 from mergekit_darts.errors import SurgeryFormatError
 from mergekit_darts.messages import describe_error
@@ -24,6 +25,7 @@ MANIFEST = "manifest.json"
 SURGERY_YAML = "surgery.yml"  # the block as it was run
 REPORT_DIR = "report"  # inside surgery/: replaced together with the modules it describes
 ROUTER = "router.safetensors"  # the gate of ``route:`` (``weight`` [K', H], ``bias`` [K'])
+JOINT_FILE = "joint.safetensors"  # the joint correction of every task (calibrate.joint)
 RECIPE = "mergekit_config.yml"  # mergekit's record of the merge
 FORMAT = "darts-surgery"
 SHA256 = r"^[0-9a-f]{64}$"  # a file's sha256, as the manifest records it
@@ -138,6 +140,37 @@ class RouterEntry(_Record):
         return [*self.tasks, *(["none"] if self.background else [])]
 
 
+class JointEntry(ModuleSpec, _Record):
+    """The joint correction: one plain correction fitted on every task's prompts (``module``
+    none when the verdict kept none), the tasks it was judged on, and its verdict."""
+
+    loss: str | None = None
+    tasks: list[str] = Field(min_length=2)
+    selection: dict[str, Any] = Field(default_factory=dict)
+    timings: dict[str, float] = Field(default_factory=dict)
+    file: str = JOINT_FILE
+    sha256: str | None = Field(default=None, pattern=SHA256)  # of ``file``; see artifacts
+
+    @field_validator("module")
+    @classmethod
+    def _plain_kind(cls, kind: str) -> str:
+        if kind not in (*PLAIN_KINDS, "none"):
+            raise ValueError(f"a joint correction is plain ({', '.join(PLAIN_KINDS)}) or none")
+        return kind
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, tasks: list[str]) -> list[str]:
+        for name in tasks:
+            check_task_name(name)
+        return tasks
+
+    @field_validator("file")
+    @classmethod
+    def _plain_file(cls, name: str) -> str:
+        return plain_file_name(name)
+
+
 class Manifest(_Record):
     """``surgery/manifest.json``: shared facts about the run, and one :class:`TaskEntry` per task."""
 
@@ -156,6 +189,7 @@ class Manifest(_Record):
     merged_identity: str | None = None
     tasks: dict[str, TaskEntry]
     router: RouterEntry | None = None  # present when the block had ``route:``
+    joint: JointEntry | None = None  # present when the block fitted a joint correction
 
     @field_validator("format", mode="before")
     @classmethod

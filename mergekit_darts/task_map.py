@@ -18,10 +18,12 @@ from mergekit_darts.errors import DoubleClaim, ModelArgsError, SurgeryFormatErro
 
 NONE = "none"  # no correction
 AUTO = "auto"  # one module per request, chosen by its lm-eval task
+JOINT = "joint"  # one plain correction fitted on every task (calibrate.joint)
 RESERVED_TASK_NAMES = (
     NONE,
     AUTO,
     ROUTED,
+    JOINT,
 )  # values of hf-darts' ``surgery=`` with their own meaning
 # hf-darts (HFLM) arguments that change the merged weights a surgery was calibrated on: refused
 # with a surgery, by hf-darts and when a sweep is planned
@@ -38,7 +40,9 @@ def check_task_name(name: str) -> str:
             "start with a letter or digit"
         )
     if name.lower() in RESERVED_TASK_NAMES:
-        raise ValueError(f"{name!r} is reserved by hf-darts (surgery=none|auto|routed); rename it")
+        raise ValueError(
+            f"{name!r} is reserved by hf-darts (surgery=none|auto|routed|joint); rename it"
+        )
     return name
 
 

@@ -128,13 +128,14 @@ def write_surgery(
     modules: dict[str, SurgeryModule],
     *,
     router: Router | None = None,
+    joint: SurgeryModule | None = None,
     entries: dict[str, dict[str, Any]] | None = None,
     **manifest: Any,
 ) -> Path:
     """``folder`` (a ``surgery/`` folder) holding ``modules`` (name -> module), as the calibration
     writes it: each task's entry states its module's kind, rank and table size plus
-    ``entries[name]``; ``router`` (with its manifest entry) when given; ``manifest`` adds top-level
-    keys (``vocab_size``, ``merged_identity``, ...)."""
+    ``entries[name]``; ``router`` (with its manifest entry) and ``joint`` (a joint correction of
+    every task) when given; ``manifest`` adds top-level keys (``vocab_size``, ...)."""
     entries = entries or {}
     tasks = {
         name: {
@@ -149,7 +150,10 @@ def write_surgery(
     content: dict[str, Any] = {"hidden_size": hidden_size, "tasks": tasks, **manifest}
     if router is not None:
         content["router"] = {"tasks": list(router.tasks), "background": router.background}
-    return write_surgery_folder(folder, modules, content, router=router)
+    if joint is not None:
+        sizes = {"rank": joint.rank, "max_positions": joint.max_positions}
+        content["joint"] = {"module": joint.kind, **sizes, "tasks": list(modules)}
+    return write_surgery_folder(folder, modules, content, router=router, joint=joint)
 
 
 def write_routed_surgery(

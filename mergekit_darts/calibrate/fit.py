@@ -42,7 +42,7 @@ from mergekit_darts.calibrate.verdict import (
     VERDICT_TEST,
     HeldOutCompletions,
     Wording,
-    completion_scores,
+    cross_fitted_scores,
     decide,
     mean,
 )
@@ -398,15 +398,8 @@ def _verdict_scores(
     """Per judged prompt (in the order of ``run.held_completions``), each fold's module scoring
     the prompts it did not train on."""
     order = judged_rows(run.task, len(run.sequences)).tolist()
-    where = {prompt: row for row, prompt in enumerate(order)}
-    scores: dict[str, list[float | None]] = {}
-    for fit, (_, judged) in zip(fits, splits, strict=True):
-        rows = [where[prompt] for prompt in judged.tolist()]
-        for name, values in completion_scores(fit.module, run.held_completions, rows).items():
-            column = scores.setdefault(name, [None] * len(order))
-            for row, value in zip(rows, values, strict=True):
-                column[row] = value
-    return scores
+    modules = [fit.module for fit in fits]
+    return cross_fitted_scores(modules, run.held_completions, order, [j for _, j in splits])
 
 
 def _held_out_entry(run: TaskRun, module: SurgeryModule, *, saved: bool) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from mergekit_darts.calibrate.fit import (
     train_task,
 )
 from mergekit_darts.calibrate.fit_router import FittedRouter, fit_router, route_classes
+from mergekit_darts.calibrate.joint import JointPlan, fit_joint, plan_joint
 from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer, stage
 from mergekit_darts.calibrate.store import CaptureStore, check_cache_dir
 from mergekit_darts.calibrate.verdict import HeldOutCompletions, completion_reference
@@ -102,6 +103,7 @@ class PreparedSurgery:
     overwrite: bool = False  # may replace a surgery/ that is there when the run writes its own
     # task name -> its checked dev documents (select metric lm_eval; integrations.lm_eval_dev)
     dev: Mapping[str, DevScorer] = field(default_factory=dict)
+    joint: JointPlan | None = None  # the joint correction of every task, when the block fits one
 
 
 def prepare_surgery(
@@ -164,7 +166,16 @@ def prepare_surgery(
             background_prompts = read_prompts(background, BACKGROUND_KEY, "the router's background")
             counts[NONE_CLASS] = len(background_prompts.texts)
         check_route_holdout(config, counts)
-    return PreparedSurgery(block, config, tasks, targets, prompts, background_prompts, overwrite)
+    return PreparedSurgery(
+        block,
+        config,
+        tasks,
+        targets,
+        prompts,
+        background_prompts,
+        overwrite,
+        joint=plan_joint(tasks),
+    )
 
 
 def _raw_block(surgery_config: SurgeryConfig | Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
@@ -197,7 +208,7 @@ def calibrate(
     captured = capture_tasks(merged, prepared, progress=progress, store=store, on_phase=on_phase)
     for run in captured.runs:
         require_completion_tokens(run)
-    fitted = None
+    fitted = joint = None
     dev = None
     if prepared.dev:  # loaded once, on first use, for every task's candidates
         dev = DevJudge(str(merged), captured.runtime, prepared.dev, store.stats)
@@ -211,6 +222,9 @@ def calibrate(
         if prepared.config.route is not None:
             with stage(None, "fitting the router"):
                 fitted = _fit_router(prepared, captured)
+        if prepared.joint is not None:
+            with stage(None, "fitting the joint correction"):
+                joint = fit_joint(prepared.joint, prepared.tasks, captured.runs)
     with stage(None, f"writing {surgery_dir(merged)}"):
         return write_surgery(
             merged,
@@ -222,6 +236,7 @@ def calibrate(
             started=started,
             captures=store.stats.since(stats),
             router=fitted,
+            joint=joint,
             identity=identity,
             replace=prepared.overwrite,
         )

@@ -14,6 +14,8 @@ map trained by Adam would cost 500 steps of 16M-parameter products, the solve co
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mergekit_darts.calibrate.capture import Captured
@@ -37,11 +39,24 @@ def sample_weights(target: Captured, counted: torch.Tensor, loss: str) -> torch.
     return entropy / (entropy.sum() / keep.sum())
 
 
+@dataclass
+class PlainStatistics:
+    """The weighted sums a plain fit solves from: ``gram`` = sum w h h^T (per channel for
+    ``norm``: sum w h^2) and ``cross`` = sum w h* h^T. Sums of several tasks' statistics fit
+    one correction for all of them (the joint correction, ``calibrate.joint``)."""
+
+    gram: torch.Tensor
+    cross: torch.Tensor
+
+    def __add__(self, other: PlainStatistics) -> PlainStatistics:
+        return PlainStatistics(self.gram + other.gram, self.cross + other.cross)
+
+
 @torch.no_grad()
-def fit_closed_form(
+def plain_statistics(
     module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor, loss: str
-) -> None:
-    """Set ``module``'s tensors to the ridge solution on the ``counted`` tokens [N, T]."""
+) -> PlainStatistics:
+    """``module``'s kind's statistics over the ``counted`` tokens [N, T], in float64."""
     weights = sample_weights(target, counted, loss)
     hidden = merged.hidden.shape[-1]
     per_channel = isinstance(module, NormSurgery)
@@ -49,7 +64,7 @@ def fit_closed_form(
     gram = torch.zeros(shape, dtype=torch.float64, device=merged.hidden.device)
     cross = torch.zeros_like(gram)
     for rows in torch.arange(merged.hidden.shape[0]).split(BATCH_ROWS):
-        w = weights[rows].reshape(-1, 1)
+        w = weights[rows].reshape(-1, 1).to(gram.device)
         h = merged.hidden[rows].reshape(-1, hidden).to(torch.float64)
         h_star = target.hidden[rows].reshape(-1, hidden).to(torch.float64)
         if per_channel:
@@ -58,13 +73,28 @@ def fit_closed_form(
         else:
             gram += (w * h).T @ h
             cross += (w * h_star).T @ h
+    return PlainStatistics(gram, cross)
+
+
+@torch.no_grad()
+def solve(module: SurgeryModule, stats: PlainStatistics) -> None:
+    """Set ``module``'s tensors to the ridge solution of ``stats``."""
+    gram, cross = stats.gram, stats.cross
+    per_channel = isinstance(module, NormSurgery)
     diagonal = gram if per_channel else gram.diagonal()
     lam = RIDGE * float(diagonal.mean())
     if per_channel:
         scale = (cross + lam) / (gram + lam)
         module.shift.copy_((1.0 - scale).to(module.shift.dtype))
         return
-    eye = torch.eye(hidden, dtype=torch.float64, device=gram.device)
+    eye = torch.eye(gram.shape[0], dtype=torch.float64, device=gram.device)
     # A (G + lam I) = C + lam I, solved as (G + lam I) A^T = (C + lam I)^T (G is symmetric)
     a = torch.linalg.solve(gram + lam * eye, (cross + lam * eye).T).T
-    module.weight.copy_((eye - a).to(module.weight.dtype))
+    module.weight.copy_((eye - a).to(module.weight.device, module.weight.dtype))
+
+
+def fit_closed_form(
+    module: SurgeryModule, merged: Captured, target: Captured, counted: torch.Tensor, loss: str
+) -> None:
+    """Set ``module``'s tensors to the ridge solution on the ``counted`` tokens [N, T]."""
+    solve(module, plain_statistics(module, merged, target, counted, loss))

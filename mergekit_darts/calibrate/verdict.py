@@ -127,6 +127,26 @@ def completion_scores(
     return scores
 
 
+def cross_fitted_scores(
+    modules: Sequence[SurgeryModule],
+    held: HeldOutCompletions,
+    order: Sequence[int],
+    judged: Sequence[torch.Tensor],
+) -> dict[str, list[float | None]]:
+    """Per judged prompt (``order``: the prompt of each row of ``held``), the scores of the one
+    module of ``modules`` whose split judged it (``judged[k]``: the prompts module ``k`` did not
+    train on)."""
+    where = {prompt: row for row, prompt in enumerate(order)}
+    scores: dict[str, list[float | None]] = {}
+    for module, prompts in zip(modules, judged, strict=True):
+        rows = [where[prompt] for prompt in prompts.tolist()]
+        for name, values in completion_scores(module, held, rows).items():
+            column = scores.setdefault(name, [None] * len(order))
+            for row, value in zip(rows, values, strict=True):
+                column[row] = value
+    return scores
+
+
 def signed_rank_test(
     candidate: Sequence[float | None], none: Sequence[float | None]
 ) -> dict[str, Any]:
@@ -317,3 +337,74 @@ def _rank(value: float | None) -> float:
 
 def _fmt(value: float | None) -> str:
     return "–" if value is None else f"{value:.3g}"
+
+
+JOINT_TEST = (
+    "one-sided exact Wilcoxon signed-rank test against none over every task's judged prompts, "
+    "Bonferroni over corrections; refused where the same test finds it worse than none on a "
+    "task at alpha"
+)
+
+
+def decide_joint(
+    entries: list[dict[str, Any]],
+    labels: Sequence[str],
+    none: dict[str, list[float | None]],
+    metric: str,
+    alpha: float,
+) -> Decision:
+    """What the joint correction keeps (``chosen`` -1: none), from its candidates' entries (each
+    with ``verdict``: per task, per judged prompt, the scores of ``metric``) and ``none``'s
+    scores per task; records each candidate's tests in its entry.
+
+    A candidate is kept when the signed-rank test over every task's prompts pooled rejects "no
+    better than none" at ``alpha`` / the number of candidates, and on no task the test of "none
+    better than it" rejects at ``alpha`` (no Bonferroni there: harm is refused more readily than
+    gain is accepted). Among those kept, the best pooled mean wins (the first on a tie).
+    """
+    tasks = list(none)
+    pooled_none = [v for task in tasks for v in none[task]]
+    level = alpha / len(entries)
+    for entry in entries:
+        scores = entry["verdict"]
+        pooled = [v for task in tasks for v in scores[task]]
+        entry["test"] = {**signed_rank_test(pooled, pooled_none), "level": level}
+        entry["tasks"] = {task: _task_result(scores[task], none[task]) for task in tasks}
+        entry["held_out"] = {metric: mean(pooled)}
+    harmed = [
+        [task for task, result in e["tasks"].items() if result["p_worse"] <= alpha] for e in entries
+    ]
+    passing = [i for i, e in enumerate(entries) if e["test"]["p"] <= level and not harmed[i]]
+    best = max(passing or range(len(entries)), key=lambda i: _rank(entries[i]["held_out"][metric]))
+    test, name = entries[best]["test"], NAMES[metric]
+    counts = (
+        f"pooled {name} {_fmt(entries[best]['held_out'][metric])}, none {_fmt(mean(pooled_none))}: "
+        f"better on {test['better']}, worse on {test['worse']} of {test['prompts']} prompts of "
+        f"{len(tasks)} tasks, signed-rank p = {test['p']:.3g}"
+    )
+    if passing:
+        return Decision(
+            best,
+            f"kept joint {labels[best]}: {counts} <= {level:.3g}; worse than none on no task "
+            f"(smallest p = {min(r['p_worse'] for r in entries[best]['tasks'].values()):.3g} "
+            f"> {alpha:g})",
+        )
+    if harmed[best]:
+        why = f"worse than none on {', '.join(harmed[best])} (p <= {alpha:g})"
+    else:
+        why = f"{counts} > {level:.3g}"
+    return Decision(-1, f"kept no joint correction (best {labels[best]}: {why})")
+
+
+def _task_result(scores: list[float | None], none: list[float | None]) -> dict[str, Any]:
+    """One task's line of a joint candidate: its mean and none's, and both one-sided tests."""
+    better, worse = signed_rank_test(scores, none), signed_rank_test(none, scores)
+    return {
+        "mean": mean(scores),
+        "none": mean(none),
+        "better": better["better"],
+        "worse": better["worse"],
+        "prompts": better["prompts"],
+        "p_better": better["p"],
+        "p_worse": worse["p"],
+    }

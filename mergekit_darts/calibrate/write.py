@@ -25,6 +25,7 @@ from mergekit_darts.calibrate.continuation import tokens_sha256
 from mergekit_darts.calibrate.data import Prompts
 from mergekit_darts.calibrate.fit import TaskRun, settings_of
 from mergekit_darts.calibrate.fit_router import FittedRouter
+from mergekit_darts.calibrate.joint import FittedJoint
 from mergekit_darts.config import CalibrationConfig, SurgeryConfig, model_shape
 from mergekit_darts.core.metrics import rho_from_deltas
 from mergekit_darts.diagnostics import diagnostics_bytes
@@ -33,6 +34,7 @@ from mergekit_darts.identity import weights_identity
 from mergekit_darts.manifest import (
     BLOCK_KEY,
     SURGERY_YAML,
+    JointEntry,
     Manifest,
     RouterEntry,
     TaskEntry,
@@ -54,6 +56,7 @@ def write_surgery(
     started: float,
     captures: dict[str, int],
     router: FittedRouter | None = None,
+    joint: FittedJoint | None = None,
     identity: str | None,
     replace: bool,
 ) -> Manifest:
@@ -61,7 +64,8 @@ def write_surgery(
 
     ``started`` is the run's ``time.perf_counter()`` at its start (the manifest's ``total_s``);
     ``captures`` the store's counts for the run; ``router`` the gate of ``route:`` (written to
-    ``router.safetensors``, its entry to the manifest's ``router``).
+    ``router.safetensors``, its entry to the manifest's ``router``); ``joint`` the joint
+    correction (``joint.safetensors``, the manifest's ``joint``).
 
     ``identity`` is the ``weights_identity`` of ``merged`` taken before anything was captured,
     and recorded as ``merged_identity``: weights that changed since (another merge or calibration
@@ -92,6 +96,7 @@ def write_surgery(
         merged_identity=identity,  # loaders refuse other weights
         tasks={run.task.name: _task_entry(run) for run in runs},
         router=None if router is None else RouterEntry.model_validate(router.entry),
+        joint=None if joint is None else JointEntry.model_validate(joint.entry),
     )
     dumped = yaml.safe_dump({BLOCK_KEY: dict(block)}, sort_keys=False)
     extra = {SURGERY_YAML: dumped.encode("utf-8")}
@@ -104,6 +109,7 @@ def write_surgery(
             manifest,
             extra_files=extra,
             router=router.router if router is not None else None,
+            joint=joint.module if joint is not None else None,
             replace=replace,
         )
     except FileExistsError:

@@ -36,7 +36,8 @@ COMMANDS: dict[str, Entry] = {
     "export": Entry(
         "mergekit_darts.cli.export:command",
         "Write DEST, a Hugging Face folder of the merge OUT_PATH with one surgery task built in "
-        "(with --routed: every routed task's module behind the router).",
+        "(with --routed: every routed task's module behind the router; with --joint: the joint "
+        "plain correction of every task).",
     ),
     "report": Entry(
         "mergekit_darts.cli.report:command",

@@ -19,6 +19,13 @@ from mergekit_darts.deploy import LINKS
     "one folder: each token gets its domain's correction without naming the task.",
 )
 @click.option(
+    "--joint",
+    is_flag=True,
+    help="Export the joint plain correction of every task (fitted for blocks of two or more "
+    "tasks with plain candidates) as one plain folder: one model for every task, served by any "
+    "engine without a task id.",
+)
+@click.option(
     "--link",
     type=click.Choice(LINKS),
     default="symlink",
@@ -26,15 +33,25 @@ from mergekit_darts.deploy import LINKS
     help="How DEST gets the merged weights; a Hub upload needs real files (copy or hardlink).",
 )
 def command(
-    out_path: str, dest: str, task: str | None, all_tasks: bool, routed: bool, link: str
+    out_path: str,
+    dest: str,
+    task: str | None,
+    all_tasks: bool,
+    routed: bool,
+    joint: bool,
+    link: str,
 ) -> None:
     """Write DEST, a Hugging Face folder of the merge OUT_PATH with one surgery task built in
-    (with --routed: every routed task's module behind the router).
+    (with --routed: every routed task's module behind the router; with --joint: the joint
+    plain correction of every task).
 
-    It loads with AutoModelForCausalLM.from_pretrained(DEST, trust_remote_code=True) where
-    mergekit-darts is not installed, and serves with vLLM through the mergekit-darts plugin.
+    A plain correction (module head or norm, and --joint) is folded into the merge's own
+    tensors: DEST is an ordinary checkpoint that any engine serves. Any other loads with
+    AutoModelForCausalLM.from_pretrained(DEST, trust_remote_code=True) where mergekit-darts is
+    not installed, and serves with vLLM through the mergekit-darts plugin.
     """
     from mergekit_darts.deploy.export import export
 
-    for folder in export(out_path, dest, task, all_tasks=all_tasks, routed=routed, link=link):
+    flags = {"all_tasks": all_tasks, "routed": routed, "joint": joint}
+    for folder in export(out_path, dest, task, **flags, link=link):
         click.echo(f"exported {folder}")

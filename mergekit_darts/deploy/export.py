@@ -32,6 +32,7 @@ from safetensors.torch import save
 
 from mergekit_darts.artifacts import (
     check_calibrated_on,
+    load_joint,
     load_routed,
     load_surgery,
     read_manifest,
@@ -55,9 +56,9 @@ from mergekit_darts.identity import (
     WEIGHT_SUFFIXES,
     weights_entry,
 )
-from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS
+from mergekit_darts.integrations.card import RHO_L1_NOTE, TAGS, joint_rows
 from mergekit_darts.manifest import RECIPE, surgery_dir
-from mergekit_darts.task_map import ROUTED
+from mergekit_darts.task_map import JOINT, ROUTED
 
 MODELING_FILE = Path(modeling_darts.__file__)
 # the shipped file, and the correction it imports relatively under the name it imports
@@ -76,13 +77,15 @@ def export(
     *,
     all_tasks: bool = False,
     routed: bool = False,
+    joint: bool = False,
     link: str = "symlink",
 ) -> list[Path]:
-    """Export ``task`` (or with ``all_tasks`` every task, as ``DEST/<task>/``; or with ``routed``
-    every routed task's module and the router, in one folder) of the merged folder ``out_path``;
-    returns the folders written."""
-    if (task is not None) + all_tasks + routed != 1:
-        raise ExportError("pass either --task NAME, --all or --routed")
+    """Export ``task`` (or with ``all_tasks`` every task, as ``DEST/<task>/``; with ``routed``
+    every routed task's module and the router, in one folder; with ``joint`` the joint plain
+    correction of every task, as a plain folder) of the merged folder ``out_path``; returns the
+    folders written."""
+    if (task is not None) + all_tasks + routed + joint != 1:
+        raise ExportError("pass either --task NAME, --all, --routed or --joint")
     if link not in LINKS:
         raise ExportError(f"unknown --link {link!r}; choose one of {', '.join(LINKS)}")
     out, dest = Path(out_path), Path(os.path.abspath(dest))  # abspath: "." and "x/" have names
@@ -95,6 +98,9 @@ def export(
     if routed:  # loaded before DEST is checked: a folder without a usable router stops here
         modules: dict[str, Any] = {ROUTED: load_routed(source.surgery, weights=out)}
         tasks = [ROUTED]
+    elif joint:  # likewise: a folder without a joint correction stops here
+        modules = {JOINT: load_joint(source.surgery, weights=out)}
+        tasks = [JOINT]
     elif all_tasks:
         tasks = list(source.manifest.tasks)
     else:
@@ -102,7 +108,7 @@ def export(
     _check_dest(dest)
     if link == "hardlink":
         _check_same_filesystem(source, dest)
-    if not routed:
+    if not (routed or joint):
         modules = {name: load_surgery(source.surgery, name) for name in tasks}
 
     try:
@@ -111,7 +117,7 @@ def export(
                 folder = staging / name if all_tasks else staging
                 folder.mkdir(exist_ok=True)
                 shown = f"{dest.name}/{name}" if all_tasks else dest.name
-                if getattr(module, "plain", False):
+                if joint or getattr(module, "plain", False):
                     _write_plain(folder, source, name, module, link, shown)
                 else:
                     _write_folder(folder, source, name, module.state_dict(), link, shown)
@@ -379,6 +385,8 @@ def model_card(source: _Source, task: str, name: str) -> str:
             [f"Router: classes {', '.join(router.classes)}"
              + ("" if accuracy is None else f"; held-out token accuracy {accuracy:.3f}") + "."]
         )  # fmt: skip
+    elif task == JOINT:
+        return _joint_card(source, name, front)
     elif source.manifest.tasks[task].module in correction.PLAIN_KINDS:
         return _plain_card(source, task, name, front)
     else:
@@ -469,28 +477,72 @@ def _source_lines(out: Path) -> list[str]:
 def _plain_card(source: _Source, task: str, name: str, front: dict[str, Any]) -> str:
     """The card of a plain export: an ordinary checkpoint of the merge's architecture."""
     entry = source.manifest.tasks[task]
-    arch = source.config["architectures"][0]
-    what = (
-        "folded into the LM head (`W (I - M)`)"
-        if entry.module == "head"
-        else "folded into the final norm's weight (a per-channel scale)"
-    )
-    untied = (
-        "The merge ties its LM head to the input embedding; this folder unties it into its own "
-        "`lm_head.weight` (`tie_word_embeddings: false`), which adds vocabulary x hidden "
-        "parameters."
-        if entry.module == "head" and source.config.get("tie_word_embeddings")
-        else ""
-    )
-    tasks = ",".join(entry.eval_tasks) or "TASKS"
     lines = [
         *_heading(front, name),
         f"The merged model `{source.out.name}` with the DARTS plain correction of task `{task}` "
-        f"(module `{entry.module}`) {what}. It is an ordinary `{arch}` checkpoint: no custom "
-        "code, no extra tensors, so it serves in any engine (stock transformers, vLLM, "
-        "llama.cpp / GGUF, SGLang, TGI) exactly as the merge does.",
+        f"(module `{entry.module}`) {_folded(source, entry.module)}",
         "",
-        *([untied, ""] if untied else []),
+        *_plain_usage(name, entry.eval_tasks),
+    ]
+    return "\n".join(lines + _source_lines(source.out)) + "\n"
+
+
+def _joint_card(source: _Source, name: str, front: dict[str, Any]) -> str:
+    """The card of the joint export: one plain checkpoint for every task, and each task's
+    verdict."""
+    entry = source.manifest.joint
+    names = ", ".join(f"`{t}`" for t in entry.tasks)
+    selection = entry.selection
+    if entry.module == "none":
+        intro = (
+            f"The merged model `{source.out.name}` as it is: the verdict kept no joint correction "
+            f"of tasks {names}, so this folder is the merge, an ordinary checkpoint."
+        )
+    else:
+        intro = (
+            f"The merged model `{source.out.name}` with the DARTS joint plain correction of tasks "
+            f"{names} (module `{entry.module}`, fitted on every task's prompts at once: one model "
+            f"for every task, no task id) {_folded(source, entry.module)}"
+        )
+    eval_tasks = [t for n in entry.tasks for t in source.manifest.tasks[n].served(n)]
+    lines = [
+        *_heading(front, name),
+        intro,
+        "",
+        f"Verdict: {selection.get('verdict', '')}",
+        "",
+        *joint_rows(selection),
+        "",
+        *_plain_usage(name, list(dict.fromkeys(eval_tasks))),
+    ]
+    return "\n".join(lines + _source_lines(source.out)) + "\n"
+
+
+def _folded(source: _Source, kind: str) -> str:
+    """Where a plain kind lives in the checkpoint, and what that means for serving it."""
+    arch = source.config["architectures"][0]
+    where = (
+        "folded into the LM head (`W (I - M)`)"
+        if kind == "head"
+        else "folded into the final norm's weight (a per-channel scale)"
+    )
+    untied = (
+        " The merge ties its LM head to the input embedding; this folder unties it into its own "
+        "`lm_head.weight` (`tie_word_embeddings: false`), which adds vocabulary x hidden "
+        "parameters."
+        if kind == "head" and source.config.get("tie_word_embeddings")
+        else ""
+    )
+    return (
+        f"{where}. It is an ordinary `{arch}` checkpoint: no custom code, no extra tensors, so it "
+        "serves in any engine (stock transformers, vLLM, llama.cpp / GGUF, SGLang, TGI) exactly "
+        f"as the merge does.{untied}"
+    )
+
+
+def _plain_usage(name: str, eval_tasks: list[str]) -> list[str]:
+    tasks = ",".join(eval_tasks) or "TASKS"
+    return [
         "## Load, serve, evaluate",
         "",
         "```sh",
@@ -501,7 +553,6 @@ def _plain_card(source: _Source, task: str, name: str, front: dict[str, Any]) ->
         f"lm_eval --model hf --model_args pretrained={name} --tasks {tasks}",
         "```",
     ]
-    return "\n".join(lines + _source_lines(source.out)) + "\n"
 
 
 def _merge_config(out: Path) -> tuple[str | None, bool, list[str]]:

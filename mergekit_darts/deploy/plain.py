@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mergekit_darts.core.correction import HeadSurgery, NormSurgery, SurgeryModule
+from mergekit_darts.core.correction import HeadSurgery, NormSurgery, NoSurgery, SurgeryModule
 from mergekit_darts.core.spec import plain_kind_problem
 from mergekit_darts.errors import ExportError
 
@@ -78,7 +78,10 @@ def _offset(norm: torch.nn.Module) -> float:
 def folded_tensors(
     out: Path, weight_map: Mapping[str, str], module: SurgeryModule, where: Layout
 ) -> dict[str, torch.Tensor]:
-    """The tensors, by checkpoint name, that carry ``module`` folded in (new names included)."""
+    """The tensors, by checkpoint name, that carry ``module`` folded in (new names included);
+    none for kind ``none`` (the merge as it is)."""
+    if isinstance(module, NoSurgery):
+        return {}
     if isinstance(module, HeadSurgery):
         head = _read(out / weight_map[where.head], where.head)
         return {"lm_head.weight" if where.tied else where.head: module.fold_head(head)}

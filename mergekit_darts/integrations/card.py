@@ -24,7 +24,14 @@ from rich.table import Table
 from mergekit_darts.calibrate.selection import candidate_label
 from mergekit_darts.config.schema import LM_EVAL
 from mergekit_darts.fs import write_text
-from mergekit_darts.manifest import REPORT_DIR, SURGERY_DIR, Manifest, RouterEntry, TaskEntry
+from mergekit_darts.manifest import (
+    REPORT_DIR,
+    SURGERY_DIR,
+    JointEntry,
+    Manifest,
+    RouterEntry,
+    TaskEntry,
+)
 from mergekit_darts.messages import first_line
 
 LOG = logging.getLogger("mergekit_darts")
@@ -97,6 +104,7 @@ def surgery_section(manifest: Manifest, name: str) -> str:
             "",
             *_selection_markdown(tasks),
             *_router_markdown(manifest.router, name),
+            *_joint_markdown(manifest.joint, name),
             "### Evaluate",
             "",
             "```sh",
@@ -279,6 +287,56 @@ def _router_markdown(router: RouterEntry | None, name: str) -> list[str]:
     ]
 
 
+def joint_rows(selection: Mapping[str, Any]) -> list[str]:
+    """Markdown rows: each joint candidate's held-out result on each task against none."""
+    rows = [
+        f"| candidate | task | {selection.get('metric', '')} | none | better / worse of prompts | "
+        "p (better) | p (worse) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, task, r in _joint_results(selection):
+        rows.append(
+            f"| {label} | `{task}` | {_number(r['mean'], '.3g')} | {_number(r['none'], '.3g')} | "
+            f"{r['better']} / {r['worse']} of {r['prompts']} | {r['p_better']:.3g} | "
+            f"{r['p_worse']:.3g} |"
+        )
+    return rows
+
+
+def _joint_results(selection: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any]]]:
+    """(candidate label, task, its result on the task) for every joint candidate and task."""
+    return [
+        (f"{c['module']} + {c['loss']}", task, result)
+        for c in selection.get("candidates", [])
+        for task, result in c.get("tasks", {}).items()
+    ]
+
+
+def _joint_markdown(joint: JointEntry | None, name: str) -> list[str]:
+    """The joint correction: one plain correction of every task, and how each task judged it."""
+    if joint is None:
+        return []
+    kept = (
+        "the verdict kept none: `surgery=joint` serves the merge as it is"
+        if joint.module == "none"
+        else f"kept: `{joint.module}`, which `mergekit-darts export {name} --joint DEST` folds "
+        "into an ordinary checkpoint for any engine"
+    )
+    return [
+        "### Joint correction",
+        "",
+        f"One plain correction fitted on every task's prompts at once, for one model that serves "
+        f"every task without a task id; {kept}. {joint.selection.get('verdict', '')}",
+        "",
+        *joint_rows(joint.selection),
+        "",
+        "```sh",
+        f"lm_eval --model hf-darts --model_args pretrained={name},surgery=joint --tasks ...",
+        "```",
+        "",
+    ]
+
+
 def _mergekit_card(folder: Path) -> str:
     """mergekit's card for the merge recorded in the folder, or a bare title without one."""
     config_file = folder / "mergekit_config.yml"
@@ -374,6 +432,33 @@ def print_summary(manifest: Manifest, console: Console | None = None) -> None:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
     if manifest.router is not None:
         console.print(_router_table(manifest.router))
+    if manifest.joint is not None:
+        console.print(_joint_table(manifest.joint))
+        verdict = manifest.joint.selection.get("verdict", "")
+        console.print(f"joint: {verdict}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _joint_table(joint: JointEntry) -> Table:
+    metric = joint.selection.get("metric", "")
+    table = Table(
+        title=f"joint correction of every task ({joint.module} kept): held-out {metric} per task",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in ("candidate", "task", metric, "none", "better", "worse", "p better", "p worse"):
+        table.add_column(column, justify="left" if column in ("candidate", "task") else "right")
+    for label, task, r in _joint_results(joint.selection):
+        table.add_row(
+            label,
+            task,
+            _number(r["mean"], ".3g"),
+            _number(r["none"], ".3g"),
+            str(r["better"]),
+            str(r["worse"]),
+            f"{r['p_better']:.3g}",
+            f"{r['p_worse']:.3g}",
+        )
+    return table
 
 
 def _router_table(router: RouterEntry) -> Table:
