@@ -106,12 +106,24 @@ def _worded_defaults(tmp_path: Path) -> dict[tuple[str, str], tuple[str, bool]]:
         ),
         ("TaskConfig", "eval_tasks"): ("`[name]`", plain.eval_tasks == (plain.name,)),
         ("CalibrationConfig", "field"): ("`text`", _field_text_is_read(tmp_path)),
-        ("SelectConfig", "candidates"): ("the four below", len(SelectConfig().candidates) == 4),
+        ("SelectConfig", "candidates"): ("the six below", len(SelectConfig().candidates) == 6),
         ("RouteConfig", "tasks"): (
             "every task, in block order",
             route_tasks(_minimal_block(route={})) == ["a", "b"],
         ),
+        ("SurgeryConfig", "joint"): (
+            "every task, when it can be fitted",
+            _joint_plan(_minimal_block()) == ("a", "b")
+            and _joint_plan(_minimal_block(module="standard")) is None,
+        ),
     }
+
+
+def _joint_plan(config) -> tuple[str, ...] | None:
+    from mergekit_darts.config.resolve import plan_joint, resolve_tasks
+
+    plan = plan_joint(config, resolve_tasks(config))
+    return None if plan is None else plan.tasks
 
 
 def _stated_matches(model, key: str, stated: str, worded: dict) -> str | None:

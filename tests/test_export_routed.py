@@ -396,7 +396,7 @@ def test_refusals_leave_dest_untouched(routed: Any, tiny_family: Any, tmp_path: 
     assert "missing or unreadable" in fail(str(gone), "--routed", new)
     assert "was calibrated on other weights" in fail(str(remerged), "--routed", new)
     assert "is not empty" in fail(str(merged), "--routed", str(full))
-    assert "either --task NAME, --all or --routed" in fail(
+    assert "either --task NAME, --all, --routed or --joint" in fail(
         str(merged), "--routed", "--task", "math", new
     )
     assert "either --task" in fail(str(merged), "--routed", "--all", new)

@@ -264,3 +264,76 @@ def test_hf_darts_surgery_joint_without_one_is_one_line(tiny_merged: Path, tmp_p
     with pytest.raises(DartsError) as err:
         DartsHFLM(pretrained=str(merged), surgery="joint", device="cpu")
     assert "no joint correction" in str(err.value) and "\n" not in str(err.value)
+
+
+def block_of(tmp_path: Path, names: list[str], **settings) -> dict:
+    (tmp_path / "p.txt").write_text("a\n")
+    tasks = [surgery_task(n, tmp_path, tmp_path / "p.txt", field=None) for n in names]
+    return {**settings, "tasks": tasks}
+
+
+def plan_of(block: dict):
+    from mergekit_darts.config import parse_surgery, plan_joint, resolve_tasks
+
+    config = parse_surgery(block)
+    return plan_joint(config, resolve_tasks(config))
+
+
+def test_joint_is_planned_over_every_task_or_the_ones_named(tmp_path: Path) -> None:
+    plan = plan_of(block_of(tmp_path, ["a", "b", "c"], plain=True))
+    assert plan.tasks == ("a", "b", "c")
+    assert plan.candidates == (("head", "ewl1"), ("norm", "ewl1"))
+    named = plan_of(block_of(tmp_path, ["a", "b", "c"], plain=True, joint={"tasks": ["c", "a"]}))
+    assert named.tasks == ("c", "a")
+    assert plan_of(block_of(tmp_path, ["a", "b"], plain=True, joint="off")) is None
+    assert plan_of(block_of(tmp_path, ["a"], plain=True)) is None
+    # unwritten and impossible (a fixed module, no verdict): silently none
+    assert plan_of(block_of(tmp_path, ["a", "b"], module="head")) is None
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            {"plain": True, "joint": {"tasks": ["a", "x"]}},
+            "surgery.joint.tasks[1]: no task named 'x' in the block (it has a, b)",
+        ),
+        (
+            {"plain": True, "joint": {"tasks": ["a", "a"]}},
+            "surgery.joint.tasks[1]: task 'a' is listed twice",
+        ),
+        ({"plain": True, "joint": {"tasks": ["a"]}}, "surgery.joint: a joint correction serves"),
+        (
+            {"joint": {"tasks": ["a", "b"]}, "module": "head"},
+            "surgery.joint: cannot fit a joint correction: task 'a' is not judged by the",
+        ),
+        (
+            {"joint": {}, "select": {"candidates": [{"module": "pos_corr"}]}},
+            "surgery.joint: cannot fit a joint correction: no plain candidate",
+        ),
+        ({"joint": "on", "plain": True}, "surgery.joint: expected a mapping of joint settings"),
+    ],
+)
+def test_a_joint_that_cannot_be_fitted_is_one_line(tmp_path: Path, settings, message) -> None:
+    from mergekit_darts.config import parse_surgery
+
+    with pytest.raises(DartsError) as err:
+        parse_surgery(block_of(tmp_path, ["a", "b"], **settings))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_default_leaves_out_a_plain_kind_the_engines_would_lose(tmp_path: Path) -> None:
+    """On Gemma (whose GGUF drops an untied head) the default candidates have no head; a head
+    the user writes is refused (tests/test_plain_export.py)."""
+    import dataclasses
+
+    from mergekit_darts.config import parse_surgery, resolve_tasks
+
+    (task,) = resolve_tasks(parse_surgery(block_of(tmp_path, ["a"])))
+    assert [c.module for c in task.candidates()][-2:] == ["head", "norm"]
+    gemma = dataclasses.replace(task, model_type="gemma2")
+    assert "head" not in [c.module for c in gemma.candidates()]
+    assert [c.module for c in gemma.candidates()][-1] == "norm"
+    (plain,) = resolve_tasks(parse_surgery(block_of(tmp_path, ["a"], plain=True)))
+    kinds = [c.module for c in dataclasses.replace(plain, model_type="gemma").candidates()]
+    assert kinds == ["none", "norm"]

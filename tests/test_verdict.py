@@ -286,6 +286,8 @@ def test_a_block_without_module_loss_or_select_runs_the_default_selection(
         ("standard", "l1"),
         ("pos_corr", "l1"),
         ("pos_corr", "ewl1"),
+        ("head", "ewl1"),
+        ("norm", "ewl1"),
     ]
 
 

@@ -13,7 +13,6 @@ task; then it is refitted on every prompt and written as ``surgery/joint.safeten
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,25 +24,10 @@ from mergekit_darts.calibrate.plain_fit import PlainStatistics, plain_statistics
 from mergekit_darts.calibrate.selection import cross_fit_splits, holdout_split
 from mergekit_darts.calibrate.train import in_rows
 from mergekit_darts.calibrate.verdict import JOINT_TEST, cross_fitted_scores, decide_joint
-from mergekit_darts.config import ResolvedTask
-from mergekit_darts.core.correction import PLAIN_KINDS, SurgeryModule
+from mergekit_darts.config import JointPlan, ResolvedTask
+from mergekit_darts.core.correction import SurgeryModule
 from mergekit_darts.core.modules import build_module
 from mergekit_darts.task_map import NONE
-
-LOG = logging.getLogger("mergekit_darts")
-# what a joint candidate shares across tasks: it is one correction, judged one way on all
-SHARED = ("metric", "alpha", "refit")
-
-
-@dataclass(frozen=True)
-class JointPlan:
-    """The joint correction a block fits: its candidates (plain kinds, each with its loss) and
-    how the verdict judges them (the tasks' shared ``select`` settings)."""
-
-    candidates: tuple[tuple[str, str], ...]  # (module, loss), in the first task's order
-    metric: str
-    alpha: float
-    refit: bool
 
 
 @dataclass(frozen=True)
@@ -54,43 +38,16 @@ class FittedJoint:
     entry: dict[str, Any]
 
 
-def plan_joint(tasks: list[ResolvedTask]) -> JointPlan | None:
-    """The block's joint correction, or None: fewer than two tasks, no plain candidate common to
-    all, or tasks the verdict does not judge alike (a warning says which)."""
-    plain = [[(c.module, c.loss) for c in t.candidates() if c.module in PLAIN_KINDS] for t in tasks]
-    common = tuple(c for c in plain[0] if all(c in other for other in plain[1:])) if plain else ()
-    if len(tasks) < 2 or not common:
-        return None
-    why = _not_alike(tasks)
-    if why is not None:
-        LOG.warning("surgery: no joint correction is fitted: %s", why)
-        return None
-    select = tasks[0].select
-    return JointPlan(common, select.metric, select.alpha, select.refit)
-
-
-def _not_alike(tasks: list[ResolvedTask]) -> str | None:
-    """Why the verdict cannot judge one correction on every task, or None."""
-    for task in tasks:
-        if not task.verdict:
-            return f"task {task.name!r} is not judged by the completion verdict ({task.select_key})"
-    first = tasks[0]
-    for task in tasks[1:]:
-        for name in SHARED:
-            if getattr(task.select, name) != getattr(first.select, name):
-                return f"tasks {first.name!r} and {task.name!r} differ in select {name}"
-        if (task.folds, task.holdout) != (first.folds, first.holdout):
-            return f"tasks {first.name!r} and {task.name!r} split their prompts differently"
-    return None
-
-
 def fit_joint(plan: JointPlan, tasks: list[ResolvedTask], runs: list[TaskRun]) -> FittedJoint:
     """Every joint candidate cross-fitted and judged on every task; the kept one refitted.
 
     ``tasks`` are the block's tasks as resolved (each run's own may since be its chosen
     candidate); ``runs`` hold their captures, completions and the verdict's scores of ``none``.
+    Only the tasks the plan names take part.
     """
     start = time.perf_counter()
+    picked = [i for i, task in enumerate(tasks) if task.name in plan.tasks]
+    tasks, runs = [tasks[i] for i in picked], [runs[i] for i in picked]
     splits = [_splits(task, len(run.sequences)) for task, run in zip(tasks, runs, strict=True)]
     entries, fits = [], []
     for module, loss in plan.candidates:

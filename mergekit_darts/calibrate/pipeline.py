@@ -44,12 +44,13 @@ from mergekit_darts.calibrate.fit import (
     train_task,
 )
 from mergekit_darts.calibrate.fit_router import FittedRouter, fit_router, route_classes
-from mergekit_darts.calibrate.joint import JointPlan, fit_joint, plan_joint
+from mergekit_darts.calibrate.joint import fit_joint
 from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer, stage
 from mergekit_darts.calibrate.store import CaptureStore, check_cache_dir
 from mergekit_darts.calibrate.verdict import HeldOutCompletions, completion_reference
 from mergekit_darts.calibrate.write import calibration_record, write_surgery
 from mergekit_darts.config import (
+    JointPlan,
     ResolvedTask,
     SurgeryConfig,
     calibration_file,
@@ -58,7 +59,9 @@ from mergekit_darts.config import (
     check_output,
     check_route_holdout,
     check_targets,
+    model_shape,
     parse_surgery,
+    plan_joint,
     prompt_file,
     read_surgery_file,
     resolve_tasks,
@@ -148,6 +151,8 @@ def prepare_surgery(
         chat_template_set=chat_template_set,
         background=background,
     )
+    shape = model_shape(reference, reference_label, trust_remote_code=config.trust_remote_code)
+    tasks = [dataclasses.replace(task, model_type=shape.model_type) for task in tasks]
     for task in tasks:
         if same_path(targets[task.name], out_path):
             raise SurgeryConfigError(
@@ -174,7 +179,7 @@ def prepare_surgery(
         prompts,
         background_prompts,
         overwrite,
-        joint=plan_joint(tasks),
+        joint=plan_joint(config, tasks),
     )
 
 

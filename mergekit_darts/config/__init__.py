@@ -27,11 +27,13 @@ from mergekit_darts.config.preflight import (
     prompt_file,
 )
 from mergekit_darts.config.resolve import (
+    JointPlan,
     ResolvedTask,
     check_folds,
     check_holdout,
     check_route_holdout,
     holdout_count,
+    plan_joint,
     resolve_tasks,
     route_tasks,
 )
@@ -62,6 +64,7 @@ __all__ = [
     "OVERRIDABLE",
     "PositiveFloat",
     "PositiveInt",
+    "JointPlan",
     "ResolvedTask",
     "RouteConfig",
     "StrictBlock",
@@ -76,6 +79,7 @@ __all__ = [
     "holdout_count",
     "model_shape",
     "parse_surgery",
+    "plan_joint",
     "prompt_file",
     "read_surgery_file",
     "read_yaml",

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from mergekit_darts.config.resolve import ResolvedTask, resolve_tasks
+from mergekit_darts.config.resolve import ResolvedTask, joint_tasks, plan_joint, resolve_tasks
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig, SurgeryConfig
 from mergekit_darts.core.correction import PLAIN_KINDS
 from mergekit_darts.errors import SurgeryConfigError
@@ -120,6 +120,7 @@ def _check_rules(config: SurgeryConfig) -> None:
                     raise  # about the task's own keys, whatever the candidate
                 raise SurgeryConfigError(f"{task.select_key}.candidates[{number}]: {err}") from None
     _check_route(config, tasks)
+    _check_joint(config, tasks)
     _check_device(config.device)
 
 
@@ -141,6 +142,32 @@ def _check_plain(tasks: list[ResolvedTask]) -> None:
                 f"{key}: {module} does not fold into the checkpoint's weights, which plain: true "
                 f"asks for; use module: {' or '.join(PLAIN_KINDS)}, or drop plain: true"
             )
+
+
+def _check_joint(config: SurgeryConfig, tasks: list[ResolvedTask]) -> None:
+    """``joint.tasks`` names two or more distinct block tasks, and a written ``joint:`` can be
+    fitted (``plan_joint`` says why not)."""
+    joint = config.joint
+    if not joint:
+        return
+    names = [task.name for task in tasks]
+    for number, name in enumerate(joint.tasks or ()):
+        if name not in names:
+            raise SurgeryConfigError(
+                f"surgery.joint.tasks[{number}]: no task named {name!r} in the block (it has "
+                f"{', '.join(names)})"
+            )
+        if name in joint.tasks[:number]:
+            raise SurgeryConfigError(
+                f"surgery.joint.tasks[{number}]: task {name!r} is listed twice; list it once"
+            )
+    count = len(joint_tasks(config))
+    if count < 2:
+        raise SurgeryConfigError(
+            f"surgery.joint: a joint correction serves two or more tasks, {count} named; name "
+            "more tasks or remove `joint:`"
+        )
+    plan_joint(config, tasks)
 
 
 def _check_route(config: SurgeryConfig, tasks: list[ResolvedTask]) -> None:

@@ -231,8 +231,11 @@ def _check_rank(task: ResolvedTask, hidden_size: int | None, reference_label: st
 
 
 def _check_plain(task: ResolvedTask, model_type: str | None) -> None:
-    """A plain kind the engines would lose on this architecture is refused before merging."""
+    """A plain kind the engines would lose on this architecture is refused before merging (a
+    default candidate is left out instead: ``ResolvedTask.candidates``)."""
     written = task.select.candidates if task.select is not None else [None]
+    if task.default_candidates:
+        written = []
     for number, choice in enumerate(written):
         candidate = task if choice is None else task.as_candidate(choice)
         problem = plain_kind_problem(candidate.module, model_type)

@@ -24,7 +24,9 @@ from mergekit_darts.config.schema import (
     SurgeryConfig,
     TaskConfig,
 )
+from mergekit_darts.core.correction import PLAIN_KINDS
 from mergekit_darts.core.losses import LOGIT_LOSSES
+from mergekit_darts.core.spec import plain_kind_problem
 from mergekit_darts.errors import SurgeryConfigError
 
 # how to leave the default selection, for the messages about it
@@ -56,6 +58,10 @@ class ResolvedTask:
     select: SelectConfig | None = None
     select_key: str = ""
     select_default: bool = False  # no select, module or loss written: the default selection
+    default_candidates: bool = False  # the select candidates are the defaults, none written
+    # the merge's architecture, once known (prepare_surgery): default candidates its engines
+    # would lose (core.spec.plain_kind_problem) are left out
+    model_type: str | None = None
 
     @property
     def key(self) -> str:
@@ -67,6 +73,10 @@ class ResolvedTask:
         if self.select is None:
             return [self]
         candidates = self.select.candidates
+        if self.default_candidates:
+            candidates = [
+                c for c in candidates if plain_kind_problem(c.module, self.model_type) is None
+            ]
         tested = self.verdict or self.dev is not None
         if tested and all(c.module != "none" for c in candidates):
             candidates = [Candidate(module="none"), *candidates]  # the verdict's baseline
@@ -166,6 +176,7 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
     else:
         select, select_key = default_select(config), "surgery.select"
     default = select is not None and task.select is None and config.select is None
+    defaults = select is not None and (default or "candidates" not in select.model_fields_set)
     if select is not None and (select.metric == LM_EVAL or select.dev is not None):
         _check_dev(select, select_key, task, key)
         return {  # every candidate trains on every prompt: the dev split judges
@@ -174,6 +185,7 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
             "select": select,
             "select_key": select_key,
             "select_default": False,
+            "default_candidates": defaults,
         }
     holdout_given = (
         task.holdout is not None
@@ -191,6 +203,7 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
                 "select": select,
                 "select_key": select_key,
                 "select_default": default,
+                "default_candidates": defaults,
             }
     if task.holdout is not None:
         holdout, holdout_key = task.holdout, f"{key}.holdout"
@@ -204,6 +217,7 @@ def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
         "select": select,
         "select_key": select_key if select is not None else "",
         "select_default": default,
+        "default_candidates": defaults,
     }
 
 
@@ -320,3 +334,83 @@ def check_holdout(task: ResolvedTask, num_prompts: int) -> None:
             f"{task.holdout_key}: {task.holdout} of {num_prompts} prompt(s) holds out {held}, "
             f"leaving no prompt to train on; lower it or give more calibration prompts{hint}"
         )
+
+
+# what the joint correction's tasks share: it is one correction, judged one way on all of them
+JOINT_SHARED = ("metric", "alpha", "refit")
+
+
+@dataclass(frozen=True)
+class JointPlan:
+    """The joint correction a block fits: its tasks, its candidates (plain kinds, each with its
+    loss) and how the verdict judges them (the tasks' shared ``select`` settings)."""
+
+    tasks: tuple[str, ...]
+    candidates: tuple[tuple[str, str], ...]  # (module, loss), in the first task's order
+    metric: str
+    alpha: float
+    refit: bool
+
+
+def plan_joint(config: SurgeryConfig, tasks: list[ResolvedTask]) -> JointPlan | None:
+    """The block's joint correction (calibrate.joint), or None.
+
+    ``joint:`` written and not possible is refused in one line naming why; without ``joint:`` it
+    is planned over every task whenever it is possible (two or more tasks, a plain candidate
+    common to all, the verdict judging them alike), silently otherwise; ``joint: off`` never.
+    """
+    if config.joint is False or (config.joint is None and len(tasks) < 2):
+        return None
+    written = config.joint is not None
+    named = joint_tasks(config)
+    chosen = [task for task in tasks if task.name in named]
+    plain = [
+        [(c.module, c.loss) for c in t.candidates() if c.module in PLAIN_KINDS] for t in chosen
+    ]
+    common = tuple(c for c in plain[0] if all(c in other for other in plain[1:]))
+    why = (
+        None
+        if common
+        else (
+            f"no plain candidate ({', '.join(PLAIN_KINDS)}) is common to its tasks; add one to each "
+            "task's select candidates, or set plain: true"
+        )
+    )
+    why = why or _judged_apart(chosen)
+    if why is None:
+        select = chosen[0].select
+        return JointPlan(tuple(named), common, select.metric, select.alpha, select.refit)
+    if written:
+        raise SurgeryConfigError(f"surgery.joint: cannot fit a joint correction: {why}")
+    return None
+
+
+def joint_tasks(config: SurgeryConfig) -> list[str]:
+    """The tasks ``joint:`` names, else every task of the block, in block order."""
+    if config.joint:
+        return list(config.joint.tasks or [task.name for task in config.tasks])
+    return [task.name for task in config.tasks]
+
+
+def _judged_apart(tasks: list[ResolvedTask]) -> str | None:
+    """Why the verdict cannot judge one correction on every one of ``tasks``, or None."""
+    for task in tasks:
+        if not task.verdict:
+            return (
+                f"task {task.name!r} is not judged by the completion verdict, which judges the "
+                "joint correction; give it a select with a completion_* metric"
+            )
+    first = tasks[0]
+    for task in tasks[1:]:
+        for name in JOINT_SHARED:
+            if getattr(task.select, name) != getattr(first.select, name):
+                return (
+                    f"tasks {first.name!r} and {task.name!r} differ in select {name}; the joint "
+                    "correction is judged one way on all of its tasks"
+                )
+        if (task.folds, task.holdout) != (first.folds, first.holdout):
+            return (
+                f"tasks {first.name!r} and {task.name!r} split their prompts differently (folds, "
+                "holdout); the joint correction is cross-fitted on the same splits of each"
+            )
+    return None

@@ -7,6 +7,7 @@ filled-in view of each task in :mod:`mergekit_darts.config.resolve`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -70,12 +71,16 @@ VERDICT_METRICS = (
 LM_EVAL = "lm_eval"
 SelectMetric = Literal["agreement", "kl", "rho_l1", *VERDICT_METRICS, LM_EVAL]
 # the block's default candidates: the merge as it is, then Standard + L1 (Yang et al.),
-# pos_corr + L1 and DARTS (pos_corr + EWL1)
+# pos_corr + L1 and DARTS (pos_corr + EWL1), then the plain kinds (they fold into the
+# checkpoint's own tensors: any engine serves them), each on the paper's loss. An architecture
+# whose engines would lose a plain kind (core.spec.plain_kind_problem) drops it from these.
 DEFAULT_CANDIDATES = (
     {"module": "none"},
     {"module": "standard", "loss": "l1"},
     {"module": "pos_corr", "loss": "l1"},
     {"module": "pos_corr", "loss": "ewl1"},
+    {"module": "head", "loss": "ewl1"},
+    {"module": "norm", "loss": "ewl1"},
 )
 # the candidates under `plain: true` (corrections that fold into the checkpoint's own tensors): the
 # merge as it is, the LM-head map and the final-norm scale, each on the paper's loss
@@ -125,13 +130,18 @@ def _default_candidates() -> list[Candidate]:
     return [Candidate(**c) for c in DEFAULT_CANDIDATES]
 
 
-def _off(value: Any) -> Any:
-    # `select: off` is YAML 1.1's boolean false; the string (JSON, Python) means the same
-    if value is False or value == "off":
-        return False
-    if value is None or isinstance(value, dict | BaseModel):
-        return value
-    raise ValueError(f"expected a mapping of select settings, or off (no selection); got {value!r}")
+def _mapping_or_off(key: str, off: str) -> Callable[[Any], Any]:
+    """The before-validator of a key that takes a mapping of settings, or ``off`` (meaning
+    ``off``): YAML 1.1 reads `off` as false; the string (JSON, Python) means the same."""
+
+    def check(value: Any) -> Any:
+        if value is False or value == "off":
+            return False
+        if value is None or isinstance(value, dict | BaseModel):
+            return value
+        raise ValueError(f"expected a mapping of {key} settings, or off ({off}); got {value!r}")
+
+    return check
 
 
 class DevSplit(StrictBlock):
@@ -187,7 +197,7 @@ SelectOrOff = Annotated[
         Discriminator(_select_kind),
     ]
     | None,
-    BeforeValidator(_off),
+    BeforeValidator(_mapping_or_off("select", "no selection")),
 ]
 
 
@@ -234,6 +244,32 @@ class RouteConfig(StrictBlock):
     steps: PositiveInt = 100
 
 
+class JointConfig(StrictBlock):
+    """``joint:``: one plain correction fitted on several tasks' prompts at once, for one model
+    that serves them all with no task id (calibrate.joint). ``tasks`` (default: every task of the
+    block) are the tasks it is fitted on and judged by; a block holding several variants of one
+    domain names one per domain. Without ``joint:`` it is fitted over every task whenever it can
+    be (two or more tasks, a plain candidate common to all, judged alike); ``joint: off`` never.
+    """
+
+    tasks: list[str] | None = None
+
+
+def _joint_kind(value: Any) -> str:
+    return "joint[off]" if value is False else "joint[mapping]"
+
+
+JointOrOff = Annotated[
+    Annotated[
+        Annotated[JointConfig, Tag("joint[mapping]")]
+        | Annotated[Literal[False], Tag("joint[off]")],
+        Discriminator(_joint_kind),
+    ]
+    | None,
+    BeforeValidator(_mapping_or_off("joint", "no joint correction")),
+]
+
+
 class SurgeryConfig(StrictBlock):
     """The whole block; the training settings here are defaults every task may override."""
 
@@ -256,6 +292,7 @@ class SurgeryConfig(StrictBlock):
     select: SelectOrOff = None  # none: the default selection, unless module or loss is set
     route: RouteConfig | None = None  # one gate over the tasks (calibrate.fit_router)
     plain: StrictBool = False  # only corrections that fold into the checkpoint (any engine)
+    joint: JointOrOff = None  # one plain correction of every task (calibrate.joint)
     tasks: list[TaskConfig] = Field(min_length=1)
 
 
