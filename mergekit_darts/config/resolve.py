@@ -364,18 +364,14 @@ def plan_joint(config: SurgeryConfig, tasks: list[ResolvedTask]) -> JointPlan | 
     written = config.joint is not None
     named = joint_tasks(config)
     chosen = [task for task in tasks if task.name in named]
-    plain = [
-        [(c.module, c.loss) for c in t.candidates() if c.module in PLAIN_KINDS] for t in chosen
-    ]
+    plain = [[(c.module, c.loss) for c in t.candidates() if _closed_form(c)] for t in chosen]
     common = tuple(c for c in plain[0] if all(c in other for other in plain[1:]))
-    why = (
-        None
-        if common
-        else (
-            f"no plain candidate ({', '.join(PLAIN_KINDS)}) is common to its tasks; add one to each "
-            "task's select candidates, or set plain: true"
+    why = None
+    if not common:
+        why = (
+            f"no plain candidate ({', '.join(PLAIN_KINDS)}, under l1 or ewl1) is common to its "
+            "tasks; add one to each task's select candidates, or set plain: true"
         )
-    )
     why = why or _judged_apart(chosen)
     if why is None:
         select = chosen[0].select
@@ -383,6 +379,12 @@ def plan_joint(config: SurgeryConfig, tasks: list[ResolvedTask]) -> JointPlan | 
     if written:
         raise SurgeryConfigError(f"surgery.joint: cannot fit a joint correction: {why}")
     return None
+
+
+def _closed_form(candidate: ResolvedTask) -> bool:
+    """A plain kind under a loss the closed-form fit solves (``l1``, ``ewl1``): the joint
+    correction sums those fits' statistics."""
+    return candidate.module in PLAIN_KINDS and candidate.loss not in LOGIT_LOSSES
 
 
 def joint_tasks(config: SurgeryConfig) -> list[str]:
