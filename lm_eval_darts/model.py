@@ -52,9 +52,9 @@ from mergekit_darts.task_map import (
     NONE,
     OTHER_WEIGHTS,
     ROUTED,
-    manifest_routes,
+    manifest_task_map,
     parse_surgery_map,
-    route,
+    surgery_task_for,
 )
 
 eval_logger = logging.getLogger(__name__)
@@ -98,13 +98,13 @@ def weights_folder(pretrained: Any, subfolder: str) -> Path | None:
 
 @dataclass(frozen=True)
 class SurgeryPlan:
-    """What ``hf-darts`` applies: one task's module, every module behind the folder's router, a
-    per-lm-eval-task routing, or nothing."""
+    """What ``hf-darts`` applies: one task's module, every module behind the folder's router, the
+    joint correction, a module per lm-eval task (the task map), or nothing."""
 
     mode: str  # a surgery task name, ROUTED, JOINT, AUTO or NONE
     folder: Path | None = None
     available: tuple[str, ...] = ()
-    routes: Mapping[str, str] | None = None  # lm-eval task or glob -> surgery task | NONE (auto)
+    served: Mapping[str, str] | None = None  # lm-eval task or glob -> surgery task | NONE (auto)
     modules: Mapping[str, Correction] = field(default_factory=dict)
 
     @classmethod
@@ -148,24 +148,24 @@ class SurgeryPlan:
             task = resolve_task(manifest, str(surgery), folder)
             module = load_surgery(folder, task, weights=weights)
             return cls(task, folder, names, modules={task: module})
-        routes = (
-            manifest_routes(manifest) if surgery_map is None else parse_surgery_map(surgery_map)
+        served = (
+            manifest_task_map(manifest) if surgery_map is None else parse_surgery_map(surgery_map)
         )
-        targets = {target for target in routes.values() if target != NONE}
+        targets = {target for target in served.values() if target != NONE}
         if unknown := targets - set(names):
             raise SurgeryFormatError(
                 f"surgery_map names surgery task(s) {', '.join(sorted(unknown))} not in {folder}; "
                 f"available: {', '.join(names)} (or none)"
             )
         modules = {task: load_surgery(folder, task, weights=weights) for task in sorted(targets)}
-        return cls(AUTO, folder, names, routes, modules)
+        return cls(AUTO, folder, names, served, modules)
 
     def cache_key(self) -> str | None:
-        """What the answers depend on besides the request: the mode, the routing and every
+        """What the answers depend on besides the request: the mode, the task map and every
         module by content (None for no correction: ``hf``'s answers)."""
         if self.mode == NONE:
             return None
-        digest = hashlib.sha256(json.dumps([self.mode, dict(self.routes or {})]).encode())
+        digest = hashlib.sha256(json.dumps([self.mode, dict(self.served or {})]).encode())
         for name, module in sorted(self.modules.items()):
             digest.update(f"{name}\0{module!r}\0".encode())
             for key, tensor in sorted(module.state_dict().items()):
@@ -207,7 +207,7 @@ class DartsHFLM(HFLM):
     Model args: ``surgery=<task>|auto|routed|none`` (default: the folder's only task; ``routed``:
     every request gets the router-weighted correction, whatever its lm-eval task),
     ``surgery_path=`` (default ``<pretrained>/surgery``) and ``surgery_map=<lm-eval task>:<surgery
-    task>;...`` (replaces the manifest's ``eval_tasks`` routing; implies ``auto``). Everything else
+    task>;...`` (replaces the manifest's ``eval_tasks`` map; implies ``auto``). Everything else
     goes to HFLM unchanged, except ``peft=`` and ``delta=``, refused with a surgery: they change
     the weights it was calibrated on. A look-alike of the three names (``surgerypath=``) is
     refused before any load. ``surgery=none`` attaches nothing, so it scores exactly like ``hf``.
@@ -284,16 +284,17 @@ class DartsHFLM(HFLM):
         """Run HFLM's ``run`` once per surgery module, each group with its module active."""
         if self._handle is not None:
             self._leakage.check(requests, self.surgery.folder, self._serving)
-        routes = self.surgery.routes
-        if routes is None or self._handle is None:
+        served = self.surgery.served
+        if served is None or self._handle is None:
             return run(requests, disable_tqdm=disable_tqdm)
         module_of = {
-            name: route(routes, name) if name else None for name in {r.task_name for r in requests}
+            name: surgery_task_for(served, name) if name else None
+            for name in {r.task_name for r in requests}
         }
         if unmapped := sorted(str(name) for name, target in module_of.items() if target is None):
             raise ModelArgsError(
                 f"surgery=auto has no module for lm-eval task(s) {', '.join(unmapped)}; mapped: "
-                f"{', '.join(f'{k}:{v}' for k, v in routes.items())}; available surgery tasks: "
+                f"{', '.join(f'{k}:{v}' for k, v in served.items())}; available surgery tasks: "
                 f"{', '.join(self.surgery.available)} (extend surgery_map=, map a task to none, "
                 f"or use surgery=<task>)"
             )
@@ -315,10 +316,10 @@ class DartsHFLM(HFLM):
 
     def _serving(self, task_name: str) -> str | None:
         """The surgery module that serves an lm-eval task (None: none or unmapped)."""
-        if self.surgery.routes is None:
+        if self.surgery.served is None:
             return self.surgery.mode
         try:
-            target = route(self.surgery.routes, task_name)
+            target = surgery_task_for(self.surgery.served, task_name)
         except ValueError:  # ambiguous patterns: _grouped reports it
             return None
         return None if target == NONE else target
@@ -356,8 +357,8 @@ class DartsHFLM(HFLM):
         info["darts_surgery"] = self.surgery.mode
         if self.surgery.folder is not None:
             info["darts_surgery_path"] = str(self.surgery.folder)
-        if self.surgery.routes is not None:
-            info["darts_surgery_map"] = dict(self.surgery.routes)
+        if self.surgery.served is not None:
+            info["darts_surgery_map"] = dict(self.surgery.served)
         if self._handle is not None:  # requests per lm-eval task that reuse calibration prompts
             info["darts_calibration_overlap"] = dict(self._leakage.counts)
         return info

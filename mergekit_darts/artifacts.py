@@ -68,10 +68,6 @@ def read_manifest(folder: str | Path) -> Manifest:
     return Manifest.from_dict(manifest, where=str(path))
 
 
-def task_names(folder: str | Path) -> list[str]:
-    return list(read_manifest(folder).tasks)
-
-
 def resolve_task(manifest: Manifest, task: str | None, folder: Path) -> str:
     """The task to load: the one asked for, or the only one there is."""
     names = list(manifest.tasks)

@@ -74,19 +74,19 @@ def parse_surgery_map(value: str | Mapping[str, Any]) -> dict[str, str]:
     return mapping
 
 
-def eval_task_routes(claims: Iterable[tuple[str, Sequence[str] | None]]) -> dict[str, str]:
+def eval_task_map(claims: Iterable[tuple[str, Sequence[str] | None]]) -> dict[str, str]:
     """{lm-eval task: surgery task} from (surgery task, its ``eval_tasks``) pairs.
 
     A task with no ``eval_tasks`` serves its own name. Each lm-eval task picks one module, so a
     second surgery task claiming it raises :class:`DoubleClaim`.
     """
-    routes: dict[str, str] = {}
+    served: dict[str, str] = {}
     for name, eval_tasks in claims:
         for eval_task in eval_tasks or [name]:
-            if routes.get(eval_task, name) != name:
-                raise DoubleClaim(eval_task, routes[eval_task], name)
-            routes[eval_task] = name
-    return routes
+            if served.get(eval_task, name) != name:
+                raise DoubleClaim(eval_task, served[eval_task], name)
+            served[eval_task] = name
+    return served
 
 
 class _Entry(Protocol):
@@ -99,11 +99,11 @@ class _Tasks(Protocol):
     tasks: Mapping[str, _Entry]
 
 
-def manifest_routes(manifest: _Tasks) -> dict[str, str]:
+def manifest_task_map(manifest: _Tasks) -> dict[str, str]:
     """{lm-eval task: surgery task} from each manifest task's ``eval_tasks`` (default: its name)."""
     claims = ((name, entry.eval_tasks) for name, entry in manifest.tasks.items())
     try:
-        return eval_task_routes(claims)
+        return eval_task_map(claims)
     except DoubleClaim as claim:
         raise SurgeryFormatError(
             f"lm-eval task {claim.eval_task!r} is served by surgery tasks {claim.first!r} "
@@ -111,11 +111,11 @@ def manifest_routes(manifest: _Tasks) -> dict[str, str]:
         ) from None
 
 
-def route(routes: Mapping[str, str], task_name: str) -> str | None:
+def surgery_task_for(served: Mapping[str, str], task_name: str) -> str | None:
     """The surgery task of one lm-eval task: an exact entry wins over glob patterns (``mmlu_*``)."""
-    if task_name in routes:
-        return routes[task_name]
-    hits = {target for pattern, target in routes.items() if fnmatch.fnmatchcase(task_name, pattern)}
+    if task_name in served:
+        return served[task_name]
+    hits = {target for pattern, target in served.items() if fnmatch.fnmatchcase(task_name, pattern)}
     if len(hits) > 1:
         raise ModelArgsError(
             f"lm-eval task {task_name!r} matches patterns of several surgery tasks "

@@ -34,7 +34,7 @@ from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError
 from mergekit_darts.integrations.mergekit_hook import prepare_merge_surgery
 from mergekit_darts.integrations.post_merge import run_surgery
 from mergekit_darts.manifest import Manifest
-from mergekit_darts.task_map import DoubleClaim, eval_task_routes, manifest_routes
+from mergekit_darts.task_map import DoubleClaim, eval_task_map, manifest_task_map
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -384,15 +384,15 @@ def test_block_and_manifest_share_the_routing_rule():
     """One lm-eval task, one module: the block refuses at parse time what hf-darts would refuse
     in a manifest, through the one rule in mergekit_darts.task_map."""
     claims = [("math", ["gsm8k"]), ("code", None), ("math2", ["mbpp", "gsm8k"])]
-    assert eval_task_routes(claims[:2]) == {"gsm8k": "math", "code": "code"}
+    assert eval_task_map(claims[:2]) == {"gsm8k": "math", "code": "code"}
     with pytest.raises(DoubleClaim) as info:
-        eval_task_routes(claims)
+        eval_task_map(claims)
     assert (info.value.eval_task, info.value.first, info.value.second) == ("gsm8k", "math", "math2")
     entry = {"module": "pos_corr", "rank": 2, "max_positions": 4}
     tasks = {name: {**entry, "eval_tasks": tasks or []} for name, tasks in claims}
     manifest = Manifest.from_dict({"hidden_size": 8, "tasks": tasks})
     with pytest.raises(SurgeryFormatError, match="'gsm8k' is served by surgery tasks 'math' and"):
-        manifest_routes(manifest)
+        manifest_task_map(manifest)
     block = {
         "tasks": [
             {"name": name, "target": "t", "eval_tasks": tasks, "calibration": {"path": "x.txt"}}

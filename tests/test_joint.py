@@ -143,8 +143,8 @@ def test_surgery_joint_without_a_joint_correction_is_one_line(
 def task_run(task, seed: int):
     """A run of ``task`` with synthetic captures: the target a mixed copy of the merge."""
     from mergekit_darts.calibrate.capture import Captured
+    from mergekit_darts.calibrate.choose import TaskRun
     from mergekit_darts.calibrate.data import Prompts
-    from mergekit_darts.calibrate.fit import TaskRun
 
     g = torch.Generator().manual_seed(seed)
     mask = torch.arange(T) < torch.randint(2, T + 1, (N, 1), generator=g)

@@ -107,7 +107,14 @@ def test_every_candidate_is_scored_per_item_and_none_is_stock_lm_eval(dev_run):
         "documents": LIMIT,
     }
     candidates = selection["candidates"]
-    assert [c["module"] for c in candidates] == ["none", "standard", "pos_corr", "pos_corr"]
+    assert [c["module"] for c in candidates] == [
+        "none",
+        "standard",
+        "pos_corr",
+        "pos_corr",
+        "head",
+        "norm",
+    ]
     none = candidates[0]["verdict"]["lm_eval"]
     for candidate in candidates:
         outcomes = candidate["verdict"]["lm_eval"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mergekit_darts.calibrate.fit import TaskRun
+from mergekit_darts.calibrate.choose import TaskRun
 from mergekit_darts.calibrate.plain_fit import PlainStatistics, plain_statistics, solve
 from mergekit_darts.calibrate.selection import cross_fit_splits, holdout_split
 from mergekit_darts.calibrate.train import in_rows

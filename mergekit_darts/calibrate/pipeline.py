@@ -4,7 +4,7 @@ Phases, in order: :func:`prepare_surgery` runs every check that needs no weights
 :func:`capture_tasks` collects each task's target and merged captures
 (:mod:`~mergekit_darts.calibrate.collect`: one model in memory at a time, one load per distinct
 model, none for what the store holds); :func:`calibrate` then trains each task's module
-(:mod:`~mergekit_darts.calibrate.fit`) and writes ``surgery/``
+(:mod:`~mergekit_darts.calibrate.choose`) and writes ``surgery/``
 (:mod:`~mergekit_darts.calibrate.write`). Nothing is written until every task has succeeded, and
 then ``surgery/`` appears in one rename, so a failure leaves the merged folder as it was.
 ``on_phase(name)`` lets a caller wrap each phase ("target", "merged", "train") in a context of
@@ -22,6 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from mergekit_darts.calibrate.capture import Captured
+from mergekit_darts.calibrate.choose import (
+    TaskRun,
+    judged_rows,
+    require_completion_tokens,
+    train_task,
+)
 from mergekit_darts.calibrate.collect import (
     Calibration,
     capture_merged,
@@ -37,12 +43,6 @@ from mergekit_darts.calibrate.data import (
     tokenize_prompts,
 )
 from mergekit_darts.calibrate.dev import DevJudge, DevScorer
-from mergekit_darts.calibrate.fit import (
-    TaskRun,
-    judged_rows,
-    require_completion_tokens,
-    train_task,
-)
 from mergekit_darts.calibrate.fit_router import FittedRouter, fit_router, route_classes
 from mergekit_darts.calibrate.joint import fit_joint
 from mergekit_darts.calibrate.runtime import Runtime, merged_tokenizer, stage

@@ -2,7 +2,7 @@
 
 Everything lands in one staged folder (:func:`mergekit_darts.artifacts.write_surgery_folder`), so
 ``surgery/`` appears whole or not at all. The manifest entry of a task records its settings (the
-schema's names, :func:`~mergekit_darts.calibrate.fit.settings_of`), the prompts by hash, the
+schema's names, :func:`~mergekit_darts.calibrate.choose.settings_of`), the prompts by hash, the
 metrics and timings; its diagnostics file keeps the per-token bias before and after, so
 ``mergekit-darts report`` draws Figure 1 without loading a model. Recording the block in the
 merge's recipe and the model card is the post-merge step's
@@ -21,9 +21,9 @@ import torch
 import yaml
 
 from mergekit_darts.artifacts import read_manifest, write_surgery_folder
+from mergekit_darts.calibrate.choose import TaskRun, settings_of
 from mergekit_darts.calibrate.continuation import tokens_sha256
 from mergekit_darts.calibrate.data import Prompts
-from mergekit_darts.calibrate.fit import TaskRun, settings_of
 from mergekit_darts.calibrate.fit_router import FittedRouter
 from mergekit_darts.calibrate.joint import FittedJoint
 from mergekit_darts.config import CalibrationConfig, SurgeryConfig, model_shape

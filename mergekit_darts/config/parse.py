@@ -22,7 +22,7 @@ from mergekit_darts.core.correction import PLAIN_KINDS
 from mergekit_darts.errors import SurgeryConfigError
 from mergekit_darts.manifest import BLOCK_KEY
 from mergekit_darts.messages import describe_error, first_line
-from mergekit_darts.task_map import DoubleClaim, eval_task_routes
+from mergekit_darts.task_map import DoubleClaim, eval_task_map
 
 # Prompt tokens a calibration row needs: the first position is the BOS token for most tokenizers,
 # the same hidden state in every prompt, so a row needs at least one token after it to teach the
@@ -88,7 +88,7 @@ def parse_surgery(block: SurgeryConfig | Mapping[str, Any]) -> SurgeryConfig:
 
 
 def _check_rules(config: SurgeryConfig) -> None:
-    """Names, then lm-eval routes, then each task's (or candidate's) calibration, then device."""
+    """Names, then lm-eval served, then each task's (or candidate's) calibration, then device."""
     tasks = resolve_tasks(config)
     seen: dict[str, str] = {}
     for task in tasks:
@@ -99,7 +99,7 @@ def _check_rules(config: SurgeryConfig) -> None:
             )
         seen[task.name] = task.key
     try:
-        eval_task_routes((task.name, task.eval_tasks) for task in tasks)
+        eval_task_map((task.name, task.eval_tasks) for task in tasks)
     except DoubleClaim as claim:
         task = next(task for task in tasks if task.name == claim.second)
         raise SurgeryConfigError(

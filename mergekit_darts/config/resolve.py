@@ -139,7 +139,7 @@ def resolve_tasks(config: SurgeryConfig) -> list[ResolvedTask]:
                 calibration=task.calibration,
                 overridden=frozenset(n for n in OVERRIDABLE if getattr(task, n) is not None),
                 **settings,
-                **_split(config, task, f"surgery.tasks[{index}]"),
+                **_selection(config, task, f"surgery.tasks[{index}]"),
             )
         )
     return resolved
@@ -152,7 +152,7 @@ def default_select(config: SurgeryConfig) -> SelectConfig:
     return SelectConfig()
 
 
-def _split(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
+def _selection(config: SurgeryConfig, task: TaskConfig, key: str) -> dict[str, Any]:
     """A task's select and holdout: its own values win over the block's.
 
     With no ``select`` anywhere and no ``module`` or ``loss`` set (block or task), the task runs

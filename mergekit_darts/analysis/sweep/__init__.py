@@ -36,7 +36,7 @@ from mergekit_darts.analysis.sweep.cell import (
 )
 from mergekit_darts.analysis.sweep.merges import Merge, locate_merges, make_merge
 from mergekit_darts.analysis.sweep.run import (
-    check_routes,
+    check_served,
     plan,
     run_merge_cells,
     run_spec_file,
@@ -76,7 +76,7 @@ __all__ = [
     "cell_block",
     "cell_id",
     "cells",
-    "check_routes",
+    "check_served",
     "config_rows",
     "score_surgery",
     "fingerprint",

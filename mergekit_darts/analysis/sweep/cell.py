@@ -329,14 +329,16 @@ def scores_of(results: Mapping[str, Any], spec: EvalSpec) -> dict[str, Any]:
 def rho_of(surgery_path: Path, spec: EvalSpec) -> tuple[dict[str, float], dict[str, float | None]]:
     """rho_L1 per surgery task (manifest) and of the module serving each eval task."""
     from mergekit_darts.artifacts import read_manifest
-    from mergekit_darts.task_map import manifest_routes, parse_surgery_map, route
+    from mergekit_darts.task_map import manifest_task_map, parse_surgery_map, surgery_task_for
 
     manifest = read_manifest(surgery_path)
     rho = {name: float(entry.metrics["rho_l1"]) for name, entry in manifest.tasks.items()}
-    routes = parse_surgery_map(spec.surgery_map) if spec.surgery_map else manifest_routes(manifest)
+    served = (
+        parse_surgery_map(spec.surgery_map) if spec.surgery_map else manifest_task_map(manifest)
+    )
     eval_rho = {}
     for task in spec.tasks:
-        module = route(routes, task)
+        module = surgery_task_for(served, task)
         eval_rho[task] = rho.get(module) if module else None
     return rho, eval_rho
 

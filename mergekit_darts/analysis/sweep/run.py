@@ -44,7 +44,7 @@ from mergekit_darts.analysis.sweep.tables import write_results
 from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.config import parse_surgery
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.task_map import OTHER_WEIGHTS, parse_surgery_map, route
+from mergekit_darts.task_map import OTHER_WEIGHTS, parse_surgery_map, surgery_task_for
 
 CELLS = "cells"  # <output>/cells/<cell id>/
 
@@ -64,7 +64,7 @@ def plan(spec: SweepSpec) -> Planned:
         except SurgeryConfigError as err:
             raise SurgeryConfigError(f"sweep cell {cell_id(settings)}: {err}") from None
         planned.append((settings, block))
-    check_routes(spec, base)
+    check_served(spec, base)
     check_weights_args(spec)
     return planned
 
@@ -79,18 +79,18 @@ def check_weights_args(spec: SweepSpec) -> None:
             )
 
 
-def check_routes(spec: SweepSpec, block: Mapping[str, Any]) -> None:
+def check_served(spec: SweepSpec, block: Mapping[str, Any]) -> None:
     """Every eval task must be served by a surgery task (``eval_tasks`` or ``eval.surgery_map``)."""
     if spec.eval.surgery_map:
-        routes = parse_surgery_map(spec.eval.surgery_map)
+        served = parse_surgery_map(spec.eval.surgery_map)
     else:
-        routes = {
+        served = {
             eval_task: task["name"]
             for task in block["tasks"]
             for eval_task in task.get("eval_tasks") or [task["name"]]
         }
     for task in spec.eval.tasks:
-        if route(routes, task) is None:
+        if surgery_task_for(served, task) is None:
             raise SurgeryConfigError(
                 f"sweep.eval.tasks: no surgery task serves {task!r}; list it in a surgery task's "
                 "eval_tasks, or set eval.surgery_map (e.g. 'gsm8k:math;humaneval:code', or "

@@ -69,7 +69,7 @@ def one_line_error(result: Any) -> str:
 def calibrated(tiny_family, tiny_merged, calibration_data, tmp_path_factory) -> Path:
     """A copy of the tiny merge with one task calibrated by the real pipeline (its diagnostics
     are real)."""
-    merged = Path(shutil.copytree(tiny_merged, tmp_path_factory.mktemp("round3") / "merged"))
+    merged = Path(shutil.copytree(tiny_merged, tmp_path_factory.mktemp("new_user") / "merged"))
     block = {
         "select": "off",
         "module": "pos_corr",
