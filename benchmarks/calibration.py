@@ -11,6 +11,7 @@ sequences, batch size and cache dtype.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from benchmarks import heads
 from benchmarks.fixtures import model_file_bytes, shadow_model
 from benchmarks.measure import (
+    CLOCK_ENV,
     PeakTracker,
     alternate,
     clock,
@@ -50,6 +52,10 @@ SELECTIONS = {
     "holdout": {"holdout": DEFAULT_HOLDOUT},
 }
 CROSS_FIT_TARGET = 2.0  # the aim for cross-fitting's training phase, as a multiple of one training
+# the aim for the default's whole post-merge step (capture, the targets' completions, training,
+# judging, writing), as a multiple of the same step with `select: off` (DARTS, the paper's recipe)
+END_TO_END_TARGET = 2.0
+END_TO_END_ROUNDS = 3  # alternated pairs of runs; the median of their ratios counts
 PLAIN_FITS = ("head", "norm")  # the plain kinds, timed against one DARTS training
 STACKED_FOLDS = DEFAULT_FOLDS
 
@@ -106,6 +112,9 @@ def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str,
         "file_bytes": module_file.stat().st_size,
         "rho_l1": entry["metrics"]["rho_l1"],
         "model_bytes": max(model_file_bytes(merged), model_file_bytes(block["tasks"][0]["target"])),
+        # where the step's time went, stage by stage (the manifest's timings; select_* and
+        # refit_s lie inside train_s)
+        "stages": {"load_merged_s": load_merged, **{k: round(v, 3) for k, v in timings.items()}},
     }
 
 
@@ -447,6 +456,12 @@ def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) ->
             select = {**select, "folds": min(DEFAULT_FOLDS, settings.n)}
         chosen = {k: v for k, v in block_of("pos_corr").items() if k not in ("module", "loss")}
         selections[label] = timed(chosen | {"select": select})
+    default = {k: v for k, v in block_of("pos_corr").items() if k not in ("module", "loss")}
+    if settings.n < DEFAULT_FOLDS:  # the smoke test calibrates on fewer prompts than folds
+        default["select"] = {"folds": settings.n}
+    end_to_end = _end_to_end(
+        {"default": default, "select off": {**block_of("pos_corr"), "select": False}}, timed, tick
+    )
     tick("calibration: target capture memory, with entropy")
     with_entropy = run_isolated(
         phase_capture_memory,
@@ -483,11 +498,37 @@ def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) ->
             selected["train_s"] / paper if paper else float("nan"),
             CROSS_FIT_TARGET if "holdout" not in SELECTIONS[label] else None,
         )
+    found["end_to_end"] = end_to_end
+    found["ratios"]["whole post-merge step: the default / select: off (DARTS)"] = ratio(
+        end_to_end["ratio"], END_TO_END_TARGET
+    )
     found["heads"] = heads.run(settings, workdir, str(calib), tick)
     found["ratios"][f"peak memory / one float32 LM head, {heads.HEAD_TASKS} kl tasks"] = ratio(
         found["heads"]["peak_in_heads"], None
     )
     return found
+
+
+def _end_to_end(
+    blocks: dict[str, dict[str, Any]],
+    timed: Callable[[dict[str, Any]], dict[str, Any]],
+    tick: Callable[[str], None],
+) -> dict[str, Any]:
+    """The whole post-merge step of each block, alternated (ABBA) over
+    :data:`END_TO_END_ROUNDS` rounds, each run in a fresh interpreter: the paired ratio of the
+    first block to the second (the clock :func:`benchmarks.measure.clock` names: CPU time with
+    one thread), and each block's stages from its last run."""
+    key = "total_cpu_s" if os.environ.get(CLOCK_ENV) == "cpu" else "total_s"
+    names = list(blocks)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    stages: dict[str, dict[str, float]] = {}
+    for round_ in range(END_TO_END_ROUNDS):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            tick(f"calibration: end to end, {name} (round {round_ + 1})")
+            found = timed(blocks[name])
+            times[name].append(found[key])
+            stages[name] = {**found["stages"], key: found[key]}
+    return {**paired_ratio(times, *names), "stages": stages, "clock": key}
 
 
 def summarise(

@@ -101,6 +101,25 @@ def calibration_table(cal: dict[str, Any]) -> str:
     return _table(header, rows)
 
 
+def end_to_end_table(found: dict[str, Any]) -> str:
+    """Each block's stages (seconds of its last run; ``select_*`` and ``refit_s`` lie inside
+    ``train_s``) and the paired ratio of the totals."""
+    stages = found["stages"]
+    names = list(stages)
+    keys = list(dict.fromkeys(k for stage in stages.values() for k in stage))
+    rows = [
+        [key, *(_s(stages[n][key]) if key in stages[n] else "-" for n in names)] for key in keys
+    ]
+    rows.append(
+        [
+            f"paired ratio ({found['clock']}, median of {found['rounds']} rounds)",
+            f"{found['ratio']:.2f} (quartiles {found['ratio_q1']:.2f}-{found['ratio_q3']:.2f})",
+            "1.00",
+        ]
+    )
+    return _table(["stage", *names], rows)
+
+
 def phase_memory_table(cal: dict[str, Any]) -> str:
     rows = []
     for kind, task in cal["tasks"].items():
@@ -295,6 +314,11 @@ def markdown(results: dict[str, Any]) -> str:
             "### Entropy memory",
             _entropy_line(cal["entropy"]),
         ]
+        if "end_to_end" in cal:
+            parts += [
+                "### The whole post-merge step, stage by stage: the default against select: off",
+                end_to_end_table(cal["end_to_end"]),
+            ]
     if "store" in results:
         parts += ["## Calibrate once, train many (capture store)", store_table(results["store"])]
     if "inference" in results:

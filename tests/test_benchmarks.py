@@ -35,6 +35,11 @@ def test_every_section_reports(results):
         assert task["params"] > 0 and task["file_bytes"] > 0 and task["cache_bytes"] > 0
         assert task["memory"]["peak_rss"] > 0
     assert tasks["pos_corr"]["params"] > tasks["standard"]["params"]
+    end_to_end = found["calibration"]["end_to_end"]
+    assert end_to_end["rounds"] == 3 and end_to_end["ratio"] > 0
+    default, off = end_to_end["stages"]["default"], end_to_end["stages"]["select off"]
+    assert {"select_fits_s", "select_verdict_s", "refit_s"} <= set(default) and "train_s" in off
+    assert "select_fits_s" not in off
     heads = found["calibration"]["heads"]
     assert heads["tasks"] == 4 and heads["head_float32_bytes"] == 256 * 64 * 4
     assert {"target", "merged", "train"} <= set(heads["phases"])

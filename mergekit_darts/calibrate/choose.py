@@ -10,6 +10,7 @@ modules to train, on which sequences, and what is recorded about them.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +129,8 @@ def train_task(run: TaskRun, runtime: Runtime, dev: DevJudge | None = None) -> N
             run.task = chosen
             if task.select.refit:
                 run.train_rows = None
-                run.result = _converged(run, chosen, _fit(run, chosen, runtime, None))
+                with timer(run.timings, "refit_s"):
+                    run.result = _converged(run, chosen, _fit(run, chosen, runtime, None))
         else:
             run.result = _converged(run, task, _fit(run, task, runtime, run.train_rows))
             module = run.result.module
@@ -222,10 +224,13 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
     task, select = run.task, run.task.select
     splits = _splits(run)
     candidates = task.candidates()
-    fits = [_fit_splits(run, c, runtime, [train for train, _ in splits]) for c in candidates]
+    with timer(run.timings, "select_fits_s"):
+        fits = [_fit_splits(run, c, runtime, [train for train, _ in splits]) for c in candidates]
     reasons = [next((r for fit in f if (r := fit.divergence()) is not None), None) for f in fits]
     converged = [f for f, reason in zip(fits, reasons, strict=True) if reason is None]
-    measured = iter(_judged_metrics(run, converged, splits) if converged else [])
+    with timer(run.timings, "select_metrics_s"):
+        measured = iter(_judged_metrics(run, converged, splits) if converged else [])
+    verdict_s = 0.0
     entries = []
     for candidate, candidate_fits, reason in zip(candidates, fits, reasons, strict=True):
         if reason is not None:
@@ -237,9 +242,13 @@ def _select(run: TaskRun, runtime: Runtime) -> tuple[ResolvedTask, SurgeryModule
         if len(candidate_fits) > 1:
             entry["final_loss"] = final  # one per fold
         if run.held_completions is not None:
+            started = time.perf_counter()
             entry["verdict"] = _verdict_scores(run, candidate_fits, splits)
+            verdict_s += time.perf_counter() - started
             held.update({name: mean(values) for name, values in entry["verdict"].items()})
         entries.append(entry)
+    if run.held_completions is not None:
+        run.timings["select_verdict_s"] = verdict_s
     results = [f[0] for f in fits]
     _require_one_converged(task, candidates, entries)
     decision = None
