@@ -233,3 +233,20 @@ def test_no_import_cycles(package: str) -> None:
     """No two modules import each other, directly or through others: each module can be read,
     tested and imported knowing only what it imports."""
     assert _cycles(_imports(package)) == []
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_in_the_packages_is_over_80_lines() -> None:
+    """A function that long does several things: split it where its steps are."""
+    root = Path(__file__).resolve().parents[1]
+    long = []
+    for package in ("mergekit_darts", "lm_eval_darts"):
+        for file in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{file.relative_to(root)}:{node.lineno} {node.name} ({lines})")
+    assert not long, long

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -98,6 +99,29 @@ def _store_entropy(
             entropy[start + i, j : j + chunk.shape[0]] = token_entropy(chunk).to(device)
 
 
+def _forward(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor) -> Any:
+    """The model's output, or None when the head hook stopped the pass (no logits needed)."""
+    try:
+        return model(input_ids=ids, attention_mask=attn, use_cache=False)
+    except _StopForward:
+        return None
+
+
+def _store_states(
+    hidden: torch.Tensor, mask: torch.Tensor, rows: slice, states: torch.Tensor, attn: torch.Tensor
+) -> None:
+    """One batch's final hidden states into the cache (its dtype and device), refused in one
+    line where they, or their cast to the cache dtype, are not finite."""
+    t = attn.shape[1]
+    real = attn.to(device=states.device, dtype=torch.bool)
+    require_finite(states[real], f"hidden states ({states.dtype})", rows)
+    hidden[rows, :t] = states.to(device=hidden.device, dtype=hidden.dtype)
+    mask[rows, :t] = attn.to(device=mask.device, dtype=torch.bool)
+    kept = hidden[rows, :t][mask[rows, :t]]
+    cast = f"hidden states cast to the cache dtype {hidden.dtype}"
+    require_finite(kept, cast, rows, "set cache_dtype: bfloat16 or float32")
+
+
 @torch.no_grad()  # not inference_mode: the cached tensors feed training
 def capture(
     model: nn.Module,
@@ -152,20 +176,9 @@ def capture(
         for start in tqdm(range(0, n, batch_size), desc=desc, disable=not progress, leave=False):
             ids, attn = pad_batch(sequences[start : start + batch_size], pad_id)
             seen.clear()
-            try:
-                out = model(
-                    input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False
-                )
-            except _StopForward:
-                out = None
+            out = _forward(model, ids.to(device), attn.to(device))
             rows, t = slice(start, start + ids.shape[0]), ids.shape[1]
-            real = attn.to(device=seen[0].device, dtype=torch.bool)
-            require_finite(seen[0][real], f"hidden states ({seen[0].dtype})", rows)
-            hidden[rows, :t] = seen[0].to(device=cache_device, dtype=cache_dtype)
-            mask[rows, :t] = attn.to(device=cache_device, dtype=torch.bool)
-            kept = hidden[rows, :t][mask[rows, :t]]
-            cast = f"hidden states cast to the cache dtype {cache_dtype}"
-            require_finite(kept, cast, rows, "set cache_dtype: bfloat16 or float32")
+            _store_states(hidden, mask, rows, seen[0], attn)
             if out is not None and output is not None and output.verified is None:
                 output.verify(seen[0], out.logits, attn)
             if require_head is not None and start == 0:

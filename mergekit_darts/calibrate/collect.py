@@ -167,27 +167,9 @@ def _capture_all(
     per model, not per capture). A task that needs the model's own logits has the head checked on
     the first batch of the first capture (or when a stored entry is read), before the rest.
     """
-    keys: dict[int, str] = {}
-    needs: dict[str, tuple[bool, bool]] = {}
-    requires: dict[str, tuple[str, str]] = {}  # key -> (task, what needs the logits)
-    for cal in calibrations:
-        key = entry_key(
-            CAPTURES,
-            model=identity,
-            sequences=sequences_sha256(cal.sequences),
-            cache_dtype=str(runtime.cache_dtype),
-            batch_size=cal.batch_size,
-            device=runtime.device,
-            device_map=runtime.device_map,
-        )
-        keys[id(cal)] = key  # names may repeat: a task's held-out completions are its own
-        entropy, head = needs.get(key, (False, False))
-        needs[key] = (entropy or with_entropy, head or cal.with_head)
-        if cal.head_need is not None:
-            requires.setdefault(key, (cal.name, cal.head_need))
+    keys, needs, requires = _capture_keys(identity, calibrations, runtime, with_entropy)
     done: dict[str, Captured] = {}
     shared: OutputHead | None = None
-    timing = f"capture_{role}_s"
     for cal in calibrations:
         key = keys[id(cal)]
         if key not in done:
@@ -200,28 +182,7 @@ def _capture_all(
                 with _head_or_stop(owner):
                     found.head.require(need)
             if found is None:
-                what = "the target's" if role == "target" else "the merged model's"
-                loaded = model.get(cal.name, cal.timings, f"load_{role}_s")
-                with (
-                    stage(cal.name, f"capturing {what} hidden states"),
-                    timer(cal.timings, timing),
-                    _finite_or_stop(cal.name, model.label),
-                    _head_or_stop(owner),
-                ):
-                    found = capture(
-                        loaded,
-                        cal.sequences,
-                        batch_size=cal.batch_size,
-                        with_entropy=needs[key][0],
-                        with_head=needs[key][1],
-                        cache_dtype=runtime.cache_dtype,
-                        cache_device=runtime.device,
-                        pad_id=runtime.pad_id,
-                        desc=f"{cal.name}: {role}",
-                        progress=runtime.progress,
-                        shared_head=shared,
-                        require_head=need,
-                    )
+                found = _compute(model, cal, runtime, role, needs[key], shared, (owner, need))
                 store.stats.computed += 1
                 store.put(key, found, model=identity)
             if found.head is not None:
@@ -235,6 +196,69 @@ def _capture_all(
             cal.target = view
         else:
             cal.merged = view
+
+
+def _capture_keys(
+    identity: str, calibrations: list[Calibration], runtime: Runtime, with_entropy: bool
+) -> tuple[dict[int, str], dict[str, tuple[bool, bool]], dict[str, tuple[str, str]]]:
+    """Each calibration's store key (by ``id``: names may repeat, a task's held-out completions
+    are its own), what each key's capture must record (entropy, head), and which task first
+    needs its head to reproduce the logits (key -> (task, what needs them))."""
+    keys: dict[int, str] = {}
+    needs: dict[str, tuple[bool, bool]] = {}
+    requires: dict[str, tuple[str, str]] = {}
+    for cal in calibrations:
+        key = entry_key(
+            CAPTURES,
+            model=identity,
+            sequences=sequences_sha256(cal.sequences),
+            cache_dtype=str(runtime.cache_dtype),
+            batch_size=cal.batch_size,
+            device=runtime.device,
+            device_map=runtime.device_map,
+        )
+        keys[id(cal)] = key
+        entropy, head = needs.get(key, (False, False))
+        needs[key] = (entropy or with_entropy, head or cal.with_head)
+        if cal.head_need is not None:
+            requires.setdefault(key, (cal.name, cal.head_need))
+    return keys, needs, requires
+
+
+def _compute(
+    model: LazyModel,
+    cal: Calibration,
+    runtime: Runtime,
+    role: str,
+    need: tuple[bool, bool],
+    shared: OutputHead | None,
+    head_need: tuple[str, str | None],
+) -> Captured:
+    """``cal``'s capture from the model itself (loaded on first use), with ``need`` (entropy,
+    head); ``head_need``: the task whose use of the logits requires a verified head, and what."""
+    what = "the target's" if role == "target" else "the merged model's"
+    owner, required = head_need
+    loaded = model.get(cal.name, cal.timings, f"load_{role}_s")
+    with (
+        stage(cal.name, f"capturing {what} hidden states"),
+        timer(cal.timings, f"capture_{role}_s"),
+        _finite_or_stop(cal.name, model.label),
+        _head_or_stop(owner),
+    ):
+        return capture(
+            loaded,
+            cal.sequences,
+            batch_size=cal.batch_size,
+            with_entropy=need[0],
+            with_head=need[1],
+            cache_dtype=runtime.cache_dtype,
+            cache_device=runtime.device,
+            pad_id=runtime.pad_id,
+            desc=f"{cal.name}: {role}",
+            progress=runtime.progress,
+            shared_head=shared,
+            require_head=required,
+        )
 
 
 def _same_head(a: OutputHead, b: OutputHead) -> bool:

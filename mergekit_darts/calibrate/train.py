@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -320,34 +320,51 @@ def train_stacked(
     start = time.perf_counter()
     for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
         batches = [next(stream) for stream in streams]
-        index = torch.stack([_padded(b, settings.batch_size) for b in batches]).to(device)
-        real = torch.stack([_padded_mask(b, settings.batch_size) for b in batches]).to(device)
-        width = int(merged.mask[index].sum(-1).max())
-        h = merged.hidden[index, :width].to(torch.float32)  # [K, B, T, H]
-        h_star = target.hidden[index, :width].to(torch.float32)
-        mask = counted[index, :width] & real.unsqueeze(-1)
-        flat = merged.mask[index, :width].flatten(0, 1)
-        positions = positions_of(flat).view(len(modules), -1, width)
-        params = {n: torch.stack([m.get_parameter(n) for m in modules]) for n in names}
-        h_hat = stacked(params, h, positions)
-        stepping = [k for k in range(len(modules)) if mask[k].any()]
-        total = h_hat.new_zeros(())
-        for k in stepping:
-            entropy = None if target.entropy is None else target.entropy[index[k], :width]
-            loss = _loss_of(settings.loss, h_hat[k], h_star[k], entropy, mask[k])
-            curves[k].append(loss.item())
-            total = total + loss
+        losses_k = _stacked_losses(
+            stacked, modules, names, batches, merged, target, counted, settings
+        )
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
-        if stepping:
-            total.backward()
-        for k in stepping:
+        if losses_k:
+            sum(losses_k.values()).backward()
+        for k, loss in losses_k.items():
+            curves[k].append(loss.item())
             optimizers[k].step()
     seconds = (time.perf_counter() - start) / len(modules)
     return [
         _result(module, merged, target, settings, r, c, curve, seconds, loss_start)
         for module, r, c, loss_start, curve in zip(modules, rows, own, starts, curves, strict=True)
     ]
+
+
+def _stacked_losses(
+    stacked: Callable[..., torch.Tensor],
+    modules: list[SurgeryModule],
+    names: list[str],
+    batches: list[torch.Tensor],
+    merged: Captured,
+    target: Captured,
+    counted: torch.Tensor,
+    settings: TrainSettings,
+) -> dict[int, torch.Tensor]:
+    """One stacked forward of every module on its own batch: the loss of each module whose
+    batch counts a token (the others skip the step, as their own training would)."""
+    device = merged.hidden.device
+    index = torch.stack([_padded(b, settings.batch_size) for b in batches]).to(device)
+    real = torch.stack([_padded_mask(b, settings.batch_size) for b in batches]).to(device)
+    width = int(merged.mask[index].sum(-1).max())
+    h = merged.hidden[index, :width].to(torch.float32)  # [K, B, T, H]
+    h_star = target.hidden[index, :width].to(torch.float32)
+    mask = counted[index, :width] & real.unsqueeze(-1)
+    flat = merged.mask[index, :width].flatten(0, 1)
+    positions = positions_of(flat).view(len(modules), -1, width)
+    params = {n: torch.stack([m.get_parameter(n) for m in modules]) for n in names}
+    h_hat = stacked(params, h, positions)
+    found = {}
+    for k in (k for k in range(len(modules)) if mask[k].any()):
+        entropy = None if target.entropy is None else target.entropy[index[k], :width]
+        found[k] = _loss_of(settings.loss, h_hat[k], h_star[k], entropy, mask[k])
+    return found
 
 
 def _padded(batch: torch.Tensor, size: int) -> torch.Tensor:

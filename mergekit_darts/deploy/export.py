@@ -366,43 +366,11 @@ def model_card(source: _Source, task: str, name: str) -> str:
         "tags": [*TAGS, "mergekit", "merge"],
         **({"base_model": hub_models} if hub_models else {}),
     }
-    arch = source.config["architectures"][0]
-    if task == ROUTED:
-        router = source.manifest.router
-        names = list(router.tasks)
-        intro = (
-            f"The merged model `{source.out.name}` with the DARTS surgery modules of tasks "
-            f"{', '.join(f'`{n}`' for n in names)} behind one router: per token, a gate "
-            "`softmax(W h + b)` on the final hidden state `h` (the LM head's input) weighs the "
-            "tasks' float32 corrections"
-            + (", plus a last class for text that needs none" if router.background else "")
-            + ", so each domain gets its correction without being told which domain it is. "
-            "Applied at every forward call by the shipped `modeling_darts.py`, which builds on "
-            f"transformers' own `{arch}`."
-        )
-        accuracy = (router.held_out or {}).get("token_accuracy")
-        extra = (
-            [f"Router: classes {', '.join(router.classes)}"
-             + ("" if accuracy is None else f"; held-out token accuracy {accuracy:.3f}") + "."]
-        )  # fmt: skip
-    elif task == JOINT:
+    if task == JOINT:
         return _joint_card(source, name, front)
-    elif source.manifest.tasks[task].module in correction.PLAIN_KINDS:
+    if task != ROUTED and source.manifest.tasks[task].module in correction.PLAIN_KINDS:
         return _plain_card(source, task, name, front)
-    else:
-        names = [task]
-        module = source.manifest.tasks[task].module
-        intro = (
-            f"The merged model `{source.out.name}` with the DARTS surgery module of task `{task}`: "
-            "a small float32 correction of the final hidden state (the LM head's input), applied "
-            "at every forward call by the shipped `modeling_darts.py`, which builds on "
-            f"transformers' own `{arch}`."
-        )
-        extra = (
-            ["Its module is `none`: the correction is the identity (the plain merge)."]
-            if module == "none"
-            else []
-        )
+    names, intro, extra = _module_intro(source, task)
     eval_tasks = [t for n in names for t in source.manifest.tasks[n].eval_tasks]
     lm_eval_tasks = ",".join(dict.fromkeys(eval_tasks)) or "TASKS"
     rows = []
@@ -457,6 +425,40 @@ def model_card(source: _Source, task: str, name: str) -> str:
         "```",
     ]
     return "\n".join(lines + _source_lines(source.out)) + "\n"
+
+
+def _module_intro(source: _Source, task: str) -> tuple[list[str], str, list[str]]:
+    """A module export's tasks, its opening paragraph and any extra lines: one task's module, or
+    every routed task's behind the router."""
+    arch = source.config["architectures"][0]
+    if task == ROUTED:
+        router = source.manifest.router
+        names = list(router.tasks)
+        intro = (
+            f"The merged model `{source.out.name}` with the DARTS surgery modules of tasks "
+            f"{', '.join(f'`{n}`' for n in names)} behind one router: per token, a gate "
+            "`softmax(W h + b)` on the final hidden state `h` (the LM head's input) weighs the "
+            "tasks' float32 corrections"
+            + (", plus a last class for text that needs none" if router.background else "")
+            + ", so each domain gets its correction without being told which domain it is. "
+            "Applied at every forward call by the shipped `modeling_darts.py`, which builds on "
+            f"transformers' own `{arch}`."
+        )
+        accuracy = (router.held_out or {}).get("token_accuracy")
+        extra = (
+            [f"Router: classes {', '.join(router.classes)}"
+             + ("" if accuracy is None else f"; held-out token accuracy {accuracy:.3f}") + "."]
+        )  # fmt: skip
+        return names, intro, extra
+    module = source.manifest.tasks[task].module
+    intro = (
+        f"The merged model `{source.out.name}` with the DARTS surgery module of task `{task}`: "
+        "a small float32 correction of the final hidden state (the LM head's input), applied "
+        "at every forward call by the shipped `modeling_darts.py`, which builds on "
+        f"transformers' own `{arch}`."
+    )
+    none = ["Its module is `none`: the correction is the identity (the plain merge)."]
+    return [task], intro, none if module == "none" else []
 
 
 def _heading(front: dict[str, Any], name: str) -> list[str]:
