@@ -1,12 +1,14 @@
 """The demo's merge YAMLs: four mergekit methods, each with one `surgery:` block.
 
 One block holds every surgery variant the table compares, as separate tasks with overrides
-(`code` = DARTS, `code_std` = Standard + L1, `_select` = the block's default: the held-out verdict
-over no correction, Standard + L1, pos_corr + L1 and DARTS (calibrate.verdict); with `--full` also
+(`code` = DARTS, `code_std` = Standard + L1, `code_head` / `code_norm` = the plain kinds,
+`_select` = the block's default: the held-out verdict over its default candidates
+(config.schema.DEFAULT_CANDIDATES, calibrate.verdict); with `--full` also
 `code_pos_l1` = pos_corr + L1
 and `_cont` = calibrated on the target's own completions), plus a `route:` over the three DARTS
-tasks (generic text as background), so a single stock `mergekit-yaml` run per method produces
-all of them. The long scale's rows are paper Table 10's grid instead (`long_rows`: also
+tasks (generic text as background) and a `joint:` over the three `_select` tasks (one plain
+correction for every domain, with no task id), so a single stock `mergekit-yaml` run per method
+produces all of them. The long scale's rows are paper Table 10's grid instead (`long_rows`: also
 `code_std_ewl1` = Standard + EWL1 and `code_cont_answer` = DARTS calibrated on the target's
 whole answers).
 Paths are written relative to the working directory, the way mergekit resolves `model:`.
@@ -23,6 +25,8 @@ from typing import Any
 import yaml
 
 from demo.domains import DOMAIN_NAMES
+from mergekit_darts.config.schema import DEFAULT_CANDIDATES
+from mergekit_darts.core.correction import PLAIN_KINDS
 
 # method -> per-expert parameters, and whether the method takes the base model (linear does not)
 METHODS: dict[str, tuple[dict[str, float], bool]] = {
@@ -46,21 +50,33 @@ class Variant:
     def selects(self) -> bool:
         return "select" in self.overrides
 
+    @property
+    def plain(self) -> bool:
+        """A plain kind: folds into the checkpoint's own tensors, so any engine serves it."""
+        return self.overrides.get("module") in PLAIN_KINDS
+
 
 CONTINUATION_TOKENS = 32
 STANDARD_L1 = {"module": "standard", "loss": "l1"}
 STANDARD_EWL1 = {"module": "standard", "loss": "ewl1"}
 POS_CORR_L1 = {"module": "pos_corr", "loss": "l1"}
 DARTS = {"module": "pos_corr", "loss": "ewl1"}
+HEAD_EWL1 = {"module": "head", "loss": "ewl1"}
+NORM_EWL1 = {"module": "norm", "loss": "ewl1"}
 NO_CORRECTION = {"module": "none"}
-# the merge as it is, then the fixed variants above each `select` row, as its candidates: they
-# train on the same captures. These are the block's default candidates and the rest is the
-# default verdict too, so the `select` rows are what a block without module, loss or select gets.
-SELECT = {"candidates": [NO_CORRECTION, STANDARD_L1, POS_CORR_L1, DARTS]}
+# the block's default candidates (the merge as it is, then each fixed variant `fixed_variant`
+# finds), as its `select` rows' candidates: they train on the same captures as those rows, and
+# the rest is the default verdict too, so the `select` rows are what a block without module,
+# loss or select gets
+SELECT = {"candidates": [dict(c) for c in DEFAULT_CANDIDATES]}
 STANDARD_L1_ROW = Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1)
 DARTS_ROW = Variant("DARTS (pos_corr + EWL1)", "", DARTS)
+# the plain kinds: they fold into the checkpoint's own tensors (LM head, final norm)
+HEAD_ROW = Variant("head + EWL1 (plain)", "_head", HEAD_EWL1)
+NORM_ROW = Variant("norm + EWL1 (plain)", "_norm", NORM_EWL1)
+PLAIN_ROWS = (HEAD_ROW, NORM_ROW)
 SELECT_ROW = Variant(
-    "select (none, Standard + L1, pos_corr + L1, DARTS; held-out verdict: the default)",
+    "select (none, Standard + L1, pos_corr + L1, DARTS, head, norm; held-out verdict: the default)",
     "_select",
     {"select": SELECT},
 )
@@ -68,9 +84,11 @@ POS_CORR_L1_ROW = Variant("pos_corr + L1 (ablation, paper Table 10)", "_pos_l1",
 STANDARD_EWL1_ROW = Variant(
     "Standard + EWL1 (ablation, paper Table 10)", "_std_ewl1", STANDARD_EWL1
 )
-# the headline rows (paper Table 1 plus `select`; the routed row is added per merge by run.py)
-HEADLINE: tuple[Variant, ...] = (STANDARD_L1_ROW, DARTS_ROW, SELECT_ROW)
+# the headline rows (paper Table 1, the plain kinds and `select`; the routed and joint rows are
+# added per merge by run.py)
+HEADLINE: tuple[Variant, ...] = (STANDARD_L1_ROW, DARTS_ROW, *PLAIN_ROWS, SELECT_ROW)
 ROUTED_LABEL = "routed DARTS (no task id)"
+JOINT_LABEL = "joint plain (no task id)"
 BACKGROUND_SAMPLES = 50  # generic prompts the router learns to leave uncorrected
 # `--full`: the ablations (paper Table 10) and generation-aware calibration
 ABLATIONS: tuple[Variant, ...] = (
@@ -78,6 +96,8 @@ ABLATIONS: tuple[Variant, ...] = (
     Variant("Standard + L1, +completions", "_std_cont", STANDARD_L1, CONTINUATION_TOKENS),
     Variant("pos_corr + L1, +completions", "_pos_l1_cont", POS_CORR_L1, CONTINUATION_TOKENS),
     Variant("DARTS, +completions", "_cont", DARTS, CONTINUATION_TOKENS),
+    Variant("head + EWL1 (plain), +completions", "_head_cont", HEAD_EWL1, CONTINUATION_TOKENS),
+    Variant("norm + EWL1 (plain), +completions", "_norm_cont", NORM_EWL1, CONTINUATION_TOKENS),
     Variant("select, +completions", "_select_cont", {"select": SELECT}, CONTINUATION_TOKENS),
 )
 VARIANTS: tuple[Variant, ...] = HEADLINE + ABLATIONS
@@ -88,15 +108,23 @@ WHOLE_ANSWER_SUFFIX = "_cont_answer"
 
 def long_rows(generation_limit: int) -> tuple[Variant, ...]:
     """Paper Table 10 on long answers: {L1, EWL1} x {standard, pos_corr}, DARTS calibrated on
-    the target's completions as long as the evaluation lets it generate (its whole answer), and
-    the default (`select`)."""
+    the target's completions as long as the evaluation lets it generate (its whole answer), the
+    plain kinds, and the default (`select`)."""
     whole = Variant(
         f"DARTS, +completions ({generation_limit} tokens: the whole answer)",
         WHOLE_ANSWER_SUFFIX,
         DARTS,
         generation_limit,
     )
-    return (STANDARD_L1_ROW, STANDARD_EWL1_ROW, POS_CORR_L1_ROW, DARTS_ROW, whole, SELECT_ROW)
+    return (
+        STANDARD_L1_ROW,
+        STANDARD_EWL1_ROW,
+        POS_CORR_L1_ROW,
+        DARTS_ROW,
+        whole,
+        *PLAIN_ROWS,
+        SELECT_ROW,
+    )
 
 
 def variants(full: bool, scale: str = "full") -> tuple[Variant, ...]:
@@ -125,6 +153,14 @@ def fixed_variant(candidate: dict[str, Any], continuation_tokens: int) -> Varian
         if same and not variant.selects and variant.continuation_tokens == continuation_tokens:
             return variant
     raise ValueError(f"no fixed variant trains like {candidate}")
+
+
+def joint_tasks(rows: tuple[Variant, ...]) -> list[str]:
+    """The tasks the joint correction is fitted on and judged by: each domain's default
+    (`_select`, on prompts), whose candidates include the plain kinds; none without it."""
+    if SELECT_ROW not in rows:
+        return []
+    return [surgery_task(d) + SELECT_ROW.suffix for d in DOMAIN_NAMES]
 
 
 def surgery_task(domain: str) -> str:
@@ -158,7 +194,8 @@ def merge_config(
 
     With ``cache_dir`` the four merges share one capture store: each expert is captured once for
     the whole demo, and a re-run (or ``examples/sweep.yml`` after it) loads no expert. With
-    ``background`` (generic prompts, `prompt` field) the block routes over the DARTS tasks.
+    ``background`` (generic prompts, `prompt` field) the block routes over the DARTS tasks. With
+    the `select` row among ``rows`` the block fits one joint plain correction over its tasks.
     """
     parameters, uses_base = METHODS[method]
     config: dict[str, Any] = {"merge_method": method}
@@ -183,6 +220,8 @@ def merge_config(
                 "num_samples": BACKGROUND_SAMPLES,
             },
         }
+    if joint := joint_tasks(rows):
+        config["surgery"]["joint"] = {"tasks": joint}
     config["surgery"]["tasks"] = _surgery_tasks(experts, calib_files, rows)
     return config
 

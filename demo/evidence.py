@@ -26,8 +26,9 @@ from typing import Any
 
 from scipy.stats import spearmanr
 
-from demo.configs import VARIANTS, fixed_variant, surgery_task
+from demo.configs import VARIANTS, Variant, fixed_variant, surgery_task
 from demo.domains import DOMAIN_NAMES
+from demo.report import Row
 from mergekit_darts.calibrate.verdict import decide
 from mergekit_darts.config.schema import VERDICT_METRICS, SelectConfig
 from mergekit_darts.manifest import Manifest
@@ -298,6 +299,73 @@ def markdown(points: Sequence[Point], outcomes: Sequence[Mapping[str, Any]]) -> 
             f"{o['best_fixed']:.1f} ({o['best_fixed_label']}) | {o['oracle']:.1f} |"
         )
     return "\n".join([*lines, "", *verdict_markdown(verdict_outcomes(points))])
+
+
+def plain_evidence(
+    rows: Sequence[Row], shown: Sequence[Variant], cell_records: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """How the plain kinds fare in one run: how often the default kept one (over the verdict
+    cells and surgery seeds), and per merge what share of the best module row's gain over no
+    surgery the best plain row keeps (fixed rows calibrated on prompts: the same captures).
+    Why: a plain kind ships as an ordinary checkpoint, so its cost is what it gives up."""
+    plain_labels = {v.label for v in VARIANTS if v.plain}
+    verdicts = [k for c in cell_records for k in c["kept"]]
+    fixed = [v for v in shown if not v.selects and not v.continuation_tokens]
+    merges = []
+    for merge in dict.fromkeys(row.group for row in rows if row.kind == "surgery"):
+        gain = {
+            row.label: (row.delta_over_seeds or row.delta_vs_none)["mean"]
+            for row in rows
+            if row.group == merge and row.kind == "surgery"
+        }
+        module = max((v.label for v in fixed if not v.plain), key=gain.__getitem__)
+        plain = max((v.label for v in fixed if v.plain), key=gain.__getitem__)
+        share = gain[plain] / gain[module] if gain[module] > 0 else None
+        merges.append(
+            {
+                "merge": merge,
+                "best_module": {"label": module, "delta": gain[module]},
+                "best_plain": {"label": plain, "delta": gain[plain]},
+                "share_kept": share,
+            }
+        )
+    shares = [m["share_kept"] for m in merges if m["share_kept"] is not None]
+    return {
+        "verdicts": len(verdicts),
+        "kept_plain": sum(k in plain_labels for k in verdicts),
+        "kept_by_label": {label: verdicts.count(label) for label in sorted(set(verdicts))},
+        "cells": len(cell_records),
+        "cells_kept_plain": sum(any(k in plain_labels for k in c["kept"]) for c in cell_records),
+        "merges": merges,
+        "mean_share_kept": sum(shares) / len(shares) if shares else None,
+    }
+
+
+def plain_markdown(evidence: Mapping[str, Any]) -> str:
+    """The plain kinds' evidence lines (:func:`plain_evidence`)."""
+    kept = ", ".join(f"{label} {n}" for label, n in evidence["kept_by_label"].items())
+    lines = [
+        f"Plain kinds: the default (`select`) kept head or norm in {evidence['kept_plain']} of "
+        f"{evidence['verdicts']} verdicts (cells × surgery seeds; {evidence['cells_kept_plain']} "
+        f"of {evidence['cells']} cells on at least one seed). Kept: {kept}.",
+        "",
+        "| Merge | best module row: Δ vs none | best plain row: Δ vs none | share of the gain kept |",
+        "|---|---|---|---|",
+    ]
+    for m in evidence["merges"]:
+        share = "n/a (no gain)" if m["share_kept"] is None else f"{100 * m['share_kept']:.0f} %"
+        module, plain = m["best_module"], m["best_plain"]
+        lines.append(
+            f"| {m['merge']} | {module['label']}: {module['delta']:+.1f} | "
+            f"{plain['label']}: {plain['delta']:+.1f} | {share} |"
+        )
+    mean = evidence["mean_share_kept"]
+    lines += [
+        "",
+        "Mean share of the best module row's gain that the best plain row keeps, over the merges "
+        "where a module row gains: " + ("n/a" if mean is None else f"{100 * mean:.0f} %") + ".",
+    ]
+    return "\n".join(lines)
 
 
 def pooled(paths: Sequence[str | Path]) -> str:

@@ -59,6 +59,7 @@ class Row:
     domain: str | None = None  # the expert's own domain
     rho: dict[str, float] = field(default_factory=dict)
     router: dict[str, float] | None = None  # routed rows: the router's held-out accuracy
+    joint_kept: list[str] | None = None  # the joint row: the kind its verdict kept, per seed
     delta_vs_none: dict[str, Any] | None = None
     # surgery rows run with several surgery seeds: each seed's evaluation (the first is
     # `evaluation`), and the difference from no surgery over seeds and items
@@ -101,6 +102,8 @@ class Row:
             out["rho_l1"] = self.rho
         if self.router is not None:
             out["router_held_out"] = self.router
+        if self.joint_kept is not None:
+            out["joint_kept"] = self.joint_kept
         if self.delta_vs_none is not None:
             out["delta_vs_none"] = self.delta_vs_none
         if len(self.seeds) > 1:
@@ -219,7 +222,7 @@ def markdown_table(rows: Sequence[Row]) -> str:
     """
     seeds = _seeds(rows)
     head = ["Merge", "Surgery", *DOMAIN_NAMES, "Avg.", _ci_head("Δ vs none", seeds)]
-    head.append("mean ρ_L1 / router")
+    head.append("mean ρ_L1 / router / joint kept")
     if seeds > 1:
         head.insert(-1, "Δ per seed")
     lines = _head(head)
@@ -230,6 +233,8 @@ def markdown_table(rows: Sequence[Row]) -> str:
                 f"router {100 * row.router['token_accuracy']:.0f} % tok / "
                 f"{100 * row.router['sequence_accuracy']:.0f} % prompts"
             )
+        if row.joint_kept is not None:  # what the joint verdict kept, per surgery seed
+            rho = "kept " + " / ".join(row.joint_kept)
         cells = [
             shown,
             row.label,
@@ -298,7 +303,7 @@ def delta_cell(delta: dict[str, Any] | None) -> str:
 
 def shift_table(shifts: dict[str, dict[str, Any]]) -> str:
     """Generic text (none of the tasks): mean KL(plain || corrected) per token and top-1 changes,
-    under the routed model and under each single DARTS module, per merge."""
+    under the routed model, each single DARTS module and the joint plain correction, per merge."""
     if not shifts:
         return ""
     names = [k for k in next(iter(shifts.values())) if k not in ("prompts", "tokens")]

@@ -25,6 +25,7 @@ from typing import Any
 from rich.console import Console
 
 from demo.configs import (
+    JOINT_LABEL,
     ROUTED_LABEL,
     WHOLE_ANSWER_SUFFIX,
     Variant,
@@ -36,7 +37,14 @@ from demo.configs import (
 )
 from demo.domains import DOMAIN_NAMES
 from demo.evaluation import DemoSettings, Evaluation, digest, evaluate
-from demo.evidence import NONE_LABEL, Point, collect, selection_outcomes
+from demo.evidence import (
+    NONE_LABEL,
+    Point,
+    collect,
+    plain_evidence,
+    plain_markdown,
+    selection_outcomes,
+)
 from demo.evidence import markdown as evidence_markdown
 from demo.family import SCALES as TINY_SCALES
 from demo.family import build_family
@@ -60,6 +68,7 @@ from demo.verdict_cells import cells as verdict_cells
 from demo.verdict_cells import markdown as verdict_markdown
 from mergekit_darts.artifacts import read_manifest
 from mergekit_darts.manifest import Manifest, surgery_dir
+from mergekit_darts.task_map import JOINT
 
 console = Console()
 __all__ = ["DemoSettings", "run_demo"]
@@ -128,9 +137,9 @@ def individual_rows(settings: DemoSettings, family: FamilyPaths) -> list[Row]:
 def merged_rows(
     settings: DemoSettings, family: FamilyPaths, method: str
 ) -> tuple[list[Row], list[Point], dict[str, Any]]:
-    """No surgery, each surgery variant and the routed DARTS modules, on one merge, each surgery
-    row once per surgery seed; the logit shift on generic text; the held-out evidence (full).
-    Both come from the first seed."""
+    """No surgery, each surgery variant, the routed DARTS modules and the joint plain correction,
+    on one merge, each surgery row once per surgery seed; the logit shift on generic text; the
+    held-out evidence (full). Both come from the first seed."""
     background, measured = write_generic_prompts(settings.out / "data", settings.seed)
     shown = variants(settings.full, settings.scale)
     runs = [
@@ -166,7 +175,14 @@ def merged_rows(
     held_out = ("token_accuracy", "sequence_accuracy")
     accuracy = _mean([{k: m.router.held_out[k] for k in held_out} for _, m, _ in runs])
     rows.append(Row(method, ROUTED_LABEL, "surgery", routed[0], router=accuracy, seeds=routed))
-    shift = logit_shift(merged, measured, [surgery_task(d) for d in DOMAIN_NAMES])
+    if manifest.joint is not None:  # the block fits it over its `select` tasks
+        joint = per_seed(f"surgery={JOINT}")
+        kept = [m.joint.module for _, m, _ in runs if m.joint is not None]
+        rows.append(Row(method, JOINT_LABEL, "surgery", joint[0], joint_kept=kept, seeds=joint))
+    corrections = [surgery_task(d) for d in DOMAIN_NAMES]
+    if manifest.joint is not None:
+        corrections.append(JOINT)
+    shift = logit_shift(merged, measured, corrections)
     if not settings.full:
         return rows, [], shift
     first = {row.label: row.scores for row in rows}
@@ -315,7 +331,8 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         add_long_deltas(rows)
         tables.append(long_table(rows))
         figures += [p for m in settings.methods for p in _position_figures(settings, family, m)]
-    table = "\n\n".join([*tables, shift_table(shifts)])
+    plain = plain_evidence(rows, variants(settings.full, settings.scale), cells)
+    table = "\n\n".join([*tables, shift_table(shifts), plain_markdown(plain)])
     regime_numbers = regime(rows)
     results: dict[str, Any] = {
         "settings": {
@@ -334,6 +351,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         "generic_text_shift": shifts,
         "figures": [str(p) for p in figures],
         "verdict_cells": cells,
+        "plain": plain,
     }
     if settings.full:
         results.update(_held_out_study(settings, rows, points))

@@ -9,16 +9,24 @@ import pytest
 import yaml
 
 from demo.configs import (
+    ABLATIONS,
+    CONTINUATION_TOKENS,
     HEADLINE,
+    JOINT_LABEL,
     METHODS,
     ROUTED_LABEL,
+    SELECT,
     VARIANTS,
     fixed_variant,
     merge_config,
     variants,
 )
 from demo.domains import DOMAIN_NAMES
+from demo.evaluation import digest
 from demo.run import DemoSettings, run_demo
+from mergekit_darts.config.schema import DEFAULT_CANDIDATES
+
+SELECT_TASKS = [f"{d}_select" for d in DOMAIN_NAMES]  # the joint correction's tasks
 
 
 @pytest.mark.slow
@@ -41,19 +49,20 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
         "None (merged)",
         *(v.label for v in HEADLINE),
         ROUTED_LABEL,
+        JOINT_LABEL,
     ]
     assert [row["kind"] for row in results["rows"]] == [
         "base",
         *["expert"] * len(DOMAIN_NAMES),
         "none",
-        *["surgery"] * (len(HEADLINE) + 1),
+        *["surgery"] * (len(HEADLINE) + 2),
     ]
     for row in results["rows"]:
         assert set(row["scores"]) == set(DOMAIN_NAMES)
         assert all(0 <= s <= 100 for s in row["scores"].values())
         assert row["n_items"] == {d: 3 for d in DOMAIN_NAMES}
-    surgery_rows = results["rows"][-len(HEADLINE) - 1 :]
-    assert all(set(row["rho_l1"]) == set(DOMAIN_NAMES) for row in surgery_rows[:-1])
+    surgery_rows = results["rows"][-len(HEADLINE) - 2 :]
+    assert all(set(row["rho_l1"]) == set(DOMAIN_NAMES) for row in surgery_rows[:-2])
     assert all(len(row["delta_vs_none"]["ci95"]) == 2 for row in surgery_rows)
     for row in surgery_rows:  # every surgery row ran once per surgery seed, on the same merge
         assert row["surgery_seeds"] == [0, 1] and set(row["scores_by_seed"]) == {"0", "1"}
@@ -71,11 +80,12 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
     assert (other / "code.safetensors").read_bytes() != (
         out / "merges/task_arithmetic/surgery/code.safetensors"
     ).read_bytes()  # the seed reached the training
-    router = surgery_rows[-1]["router_held_out"]
+    router = surgery_rows[-2]["router_held_out"]
     assert 0 <= router["token_accuracy"] <= 1 and 0 <= router["sequence_accuracy"] <= 1
+    _check_joint_row(out, results["rows"], settings.limit)
     shift = results["generic_text_shift"]["task_arithmetic"]
-    assert set(shift) == {"prompts", "tokens", "routed", *DOMAIN_NAMES}
-    assert all(shift[k]["kl"] >= 0 for k in ("routed", *DOMAIN_NAMES))
+    assert set(shift) == {"prompts", "tokens", "routed", "joint", *DOMAIN_NAMES}
+    assert all(shift[k]["kl"] >= 0 for k in ("routed", "joint", *DOMAIN_NAMES))
     pins = results["settings"]["pins"]
     assert pins["torch_threads"] == 1 and pins["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
     assert results["settings"]["surgery_seeds"] == 2
@@ -120,6 +130,7 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
             if seed == 0:  # the yardstick's prompts and level are the first seed's verdict's
                 judged = {k: selection["detectable"][k] for k in ("prompts", "level")}
                 assert cell["judged"] == judged
+    _check_plain_evidence(results, out / "table.md")
     verdict_md = (out / "verdict.md").read_text()
     assert verdict_md.count("| tiny, seed 0 | task_arithmetic | prompts |") == len(DOMAIN_NAMES)
     assert not (out / "selection.md").exists()  # the held-out study is --full only
@@ -127,6 +138,52 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
     again = run_demo(settings)
     assert again["rows"] == results["rows"]
     assert (out / "table.md").read_text() == table
+
+
+def _check_joint_row(out, rows: list[dict], limit: int) -> None:
+    """The joint row is each seed's merge evaluated under `surgery=joint` (its cached lm-eval
+    run, found by that model_args' cache key) and says what each seed's joint verdict kept."""
+    none = next(row for row in rows if row["kind"] == "none")
+    joint = rows[-1]
+    for seed, name in enumerate(("task_arithmetic", "task_arithmetic_seed1")):
+        merged = out / "merges" / name
+        manifest = json.loads((merged / "surgery/manifest.json").read_text())
+        assert manifest["joint"]["tasks"] == SELECT_TASKS
+        assert joint["joint_kept"][seed] == manifest["joint"]["module"]
+        args = f"pretrained={merged},dtype=float32,surgery=joint"
+        key = (out / "merges" / f"{name}.done").read_text()
+        cache = out / "evals" / f"{digest(['hf-darts', args, key, limit])}.json"
+        assert json.loads(cache.read_text())["scores"] == joint["scores_by_seed"][str(seed)]
+        if manifest["joint"]["module"] == "none":  # served as the merge is
+            assert joint["scores_by_seed"][str(seed)] == none["scores"]
+
+
+def _check_plain_evidence(results: dict, table_path) -> None:
+    """The plain kinds' evidence counts the default's verdicts and names the best rows."""
+    plain = results["plain"]
+    verdicts = [k for cell in results["verdict_cells"] for k in cell["kept"]]
+    assert plain["verdicts"] == len(verdicts) == 2 * len(DOMAIN_NAMES)
+    kept_plain = sum(k.startswith(("head", "norm")) for k in verdicts)
+    assert plain["kept_plain"] == kept_plain
+    (merge,) = plain["merges"]
+    assert merge["best_plain"]["label"] in {v.label for v in HEADLINE if v.plain}
+    table = table_path.read_text()
+    assert f"kept head or norm in {kept_plain} of {len(verdicts)} verdicts" in table
+
+
+def test_every_default_candidate_has_a_fixed_row_on_every_scale():
+    """`select` weighs the block's default candidates, and each one (but none) is a fixed row of
+    every scale's table (pos_corr + L1 on the tiny and real scales with `--full` only), on
+    prompts, and of the ablations, on completions; the plain ones are headline rows."""
+    assert SELECT["candidates"] == list(DEFAULT_CANDIDATES)
+    for candidate in DEFAULT_CANDIDATES[1:]:
+        fixed = fixed_variant(candidate, 0)
+        for scale in ("tiny", "real", "long"):
+            assert fixed in variants(True, scale), (candidate, scale)
+            assert fixed in variants(False, scale) or fixed.label.startswith("pos_corr + L1")
+        assert fixed_variant(candidate, CONTINUATION_TOKENS) in ABLATIONS
+    plain = [v.overrides["module"] for v in HEADLINE if v.plain]
+    assert plain == ["head", "norm"]
 
 
 def test_every_method_yaml_is_a_valid_merge_config(tmp_path):
@@ -142,8 +199,13 @@ def test_every_method_yaml_is_a_valid_merge_config(tmp_path):
         MergeConfiguration.model_validate(yaml.safe_load(yaml.safe_dump(config)))
         parsed = parse_surgery(surgery)
         assert len(parsed.tasks) == len(HEADLINE) * len(DOMAIN_NAMES)
+        assert parsed.joint is not None and parsed.joint.tasks == SELECT_TASKS
+        modules = {t.name: t.module for t in parsed.tasks}
+        assert [modules[f"{d}_head"] for d in DOMAIN_NAMES] == ["head"] * len(DOMAIN_NAMES)
+        assert [modules[f"{d}_norm"] for d in DOMAIN_NAMES] == ["norm"] * len(DOMAIN_NAMES)
         full = merge_config(method, tmp_path / "base", experts, calib, rows=VARIANTS)
         assert len(parse_surgery(full["surgery"]).tasks) == len(VARIANTS) * len(DOMAIN_NAMES)
+        assert full["surgery"]["joint"] == {"tasks": SELECT_TASKS}
 
 
 def test_examples_demo_match_what_the_driver_writes(monkeypatch):
@@ -169,9 +231,9 @@ def test_examples_demo_match_what_the_driver_writes(monkeypatch):
         assert yaml.safe_load((repo / f"examples/demo/{method}.yml").read_text()) == expected
 
 
-# sha256 of the merge YAMLs `_yamls` writes for the tiny and real scales, as the driver wrote them
-# before the long scale had rows of its own: those demos' configs (and so their tables) stay put
-TINY_AND_REAL_YAMLS = "8eb87f5e71c8bd52f418f0ab8d290ec23b6b6953b0d958ba239b6a905d54d391"
+# sha256 of the merge YAMLs `_yamls` writes for the tiny and real scales (the plain rows and the
+# joint correction included): a change to them changes those demos' tables, so it is deliberate
+TINY_AND_REAL_YAMLS = "8034087cef36619b24696045ef20a27d856b27fdfa73474335c98f8662036b4b"
 
 
 def _yamls(scale: str, full: bool, root) -> dict[tuple[str, int], str]:
@@ -221,6 +283,8 @@ def test_the_long_scale_merges_paper_table_10s_grid_and_the_whole_answer_row(tmp
         "_pos_l1": ("pos_corr", "l1", 0, False),
         "": ("pos_corr", "ewl1", 0, False),
         "_cont_answer": ("pos_corr", "ewl1", limit, False),
+        "_head": ("head", "ewl1", 0, False),
+        "_norm": ("norm", "ewl1", 0, False),
         "_select": (None, None, 0, True),
     }
     assert [v.suffix for v in variants(False, "long")] == list(expected)
@@ -237,6 +301,7 @@ def test_the_long_scale_merges_paper_table_10s_grid_and_the_whole_answer_row(tmp
                 # only DARTS answers `surgery=auto`; the routed row routes over the DARTS tasks
                 assert task.eval_tasks == ([f"demo_{domain}"] if suffix == "" else [])
         assert config["surgery"]["route"]["tasks"] == list(DOMAIN_NAMES)
+        assert config["surgery"]["joint"] == {"tasks": SELECT_TASKS}
     full = variants(True, "long")
     assert full[: len(expected)] == variants(False, "long")
     assert len({v.suffix for v in full}) == len({v.label for v in full}) == len(full)
