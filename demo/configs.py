@@ -25,8 +25,6 @@ from typing import Any
 import yaml
 
 from demo.domains import DOMAIN_NAMES
-from mergekit_darts.config.schema import DEFAULT_CANDIDATES
-from mergekit_darts.core.correction import PLAIN_KINDS
 
 # method -> per-expert parameters, and whether the method takes the base model (linear does not)
 METHODS: dict[str, tuple[dict[str, float], bool]] = {
@@ -53,7 +51,7 @@ class Variant:
     @property
     def plain(self) -> bool:
         """A plain kind: folds into the checkpoint's own tensors, so any engine serves it."""
-        return self.overrides.get("module") in PLAIN_KINDS
+        return self.overrides.get("module") in PLAIN_MODULES
 
 
 CONTINUATION_TOKENS = 32
@@ -63,12 +61,17 @@ POS_CORR_L1 = {"module": "pos_corr", "loss": "l1"}
 DARTS = {"module": "pos_corr", "loss": "ewl1"}
 HEAD_EWL1 = {"module": "head", "loss": "ewl1"}
 NORM_EWL1 = {"module": "norm", "loss": "ewl1"}
+PLAIN_MODULES = (HEAD_EWL1["module"], NORM_EWL1["module"])  # core.correction.PLAIN_KINDS
 NO_CORRECTION = {"module": "none"}
-# the block's default candidates (the merge as it is, then each fixed variant `fixed_variant`
-# finds), as its `select` rows' candidates: they train on the same captures as those rows, and
-# the rest is the default verdict too, so the `select` rows are what a block without module,
-# loss or select gets
-SELECT = {"candidates": [dict(c) for c in DEFAULT_CANDIDATES]}
+# the block's default candidates, config.schema.DEFAULT_CANDIDATES (the merge as it is, then each
+# fixed variant `fixed_variant` finds), as its `select` rows' candidates: they train on the same
+# captures as those rows, and the rest is the default verdict too, so the `select` rows are what
+# a block without module, loss or select gets. Written out, not imported: this module builds
+# YAML before the demo's pins are set, and mergekit_darts starts torch (tests/test_demo_run.py
+# checks they are the same)
+SELECT = {
+    "candidates": [NO_CORRECTION, STANDARD_L1, POS_CORR_L1, DARTS, HEAD_EWL1, NORM_EWL1],
+}
 STANDARD_L1_ROW = Variant("Standard + L1 (Yang et al.)", "_std", STANDARD_L1)
 DARTS_ROW = Variant("DARTS (pos_corr + EWL1)", "", DARTS)
 # the plain kinds: they fold into the checkpoint's own tensors (LM head, final norm)

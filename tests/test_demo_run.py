@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -25,6 +28,7 @@ from demo.domains import DOMAIN_NAMES
 from demo.evaluation import digest
 from demo.run import DemoSettings, run_demo
 from mergekit_darts.config.schema import DEFAULT_CANDIDATES
+from mergekit_darts.core.correction import PLAIN_KINDS
 
 SELECT_TASKS = [f"{d}_select" for d in DOMAIN_NAMES]  # the joint correction's tasks
 
@@ -183,7 +187,14 @@ def test_every_default_candidate_has_a_fixed_row_on_every_scale():
             assert fixed in variants(False, scale) or fixed.label.startswith("pos_corr + L1")
         assert fixed_variant(candidate, CONTINUATION_TOKENS) in ABLATIONS
     plain = [v.overrides["module"] for v in HEADLINE if v.plain]
-    assert plain == ["head", "norm"]
+    assert plain == list(PLAIN_KINDS)
+
+
+def test_the_configs_build_without_torch():
+    """`python -m demo` imports the configs before it sets the pins, which act only if torch has
+    not started yet."""
+    code = "import sys, demo.configs; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 
 def test_every_method_yaml_is_a_valid_merge_config(tmp_path):
