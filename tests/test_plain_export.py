@@ -34,6 +34,9 @@ ARCHITECTURES = {
     "qwen3-untied": ("qwen3", {"tie_word_embeddings": False, "head_dim": 8}),
     "gemma2": ("gemma2", {"head_dim": 8}),
     "phi3": ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0}),
+    # LayerNorm with a bias before an LM head with a bias
+    "phi-untied": ("phi", {"tie_word_embeddings": False}),
+    "phi-tied": ("phi", {"tie_word_embeddings": True}),
 }
 
 
@@ -46,6 +49,9 @@ def build(folder: Path, name: str) -> Path:
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.copy_(0.5 * torch.randn(p.shape))
+        head_bias = model.get_output_embeddings().bias
+        if head_bias is not None:  # transformers starts it at zero: make it count
+            head_bias.normal_(0.0, 1.0)
     model.save_pretrained(folder)
     return folder
 
@@ -121,6 +127,50 @@ def test_the_norm_fold_minds_a_one_plus_w_norm(tmp_path: Path) -> None:
     w = load_file(merged / "model.safetensors")["model.norm.weight"].double()
     folded = load_file(dest / "model.safetensors")["model.norm.weight"].double()
     assert (folded - ((1 + w) * scale - 1)).abs().max() < 1e-6  # Gemma scales by (1 + w)
+
+
+@pytest.mark.parametrize("name", ["phi-untied", "phi-tied"])
+def test_phi_folds_keep_the_head_bias_and_scale_the_norm_bias(tmp_path: Path, name: str) -> None:
+    """Phi's LM head has a bias and its final norm is a LayerNorm with one: the head fold is
+    ``W (I - M)`` with the bias as it was, the norm fold ``g s`` and ``b s``; both in float64."""
+    from safetensors.torch import load_file
+
+    from mergekit_darts.artifacts import load_surgery
+
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    for kind in ("head", "norm"):
+        merged, dest = corrected_folder(tmp_path / kind, name, kind)
+        export(merged, dest, task=kind, link="copy")
+        module = load_surgery(merged / "surgery", kind)
+        source = {k: v.double() for k, v in load_file(merged / "model.safetensors").items()}
+        folded = {k: v.double() for k, v in load_file(dest / "model.safetensors").items()}
+        tied = "lm_head.weight" not in source
+        w = source["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        bias = source["lm_head.bias"]
+        changed = {k for k in source if not torch.equal(source[k], folded[k])}
+        if kind == "head":
+            m = module.weight.double()
+            expected = {"lm_head.weight": w @ (torch.eye(HIDDEN, dtype=torch.float64) - m)}
+        else:
+            s = 1 - module.shift.double()
+            norm = "model.final_layernorm."
+            expected = {n: source[n] * s for n in (norm + "weight", norm + "bias")}
+        assert changed | (set(folded) - set(source)) == set(expected)
+        for n, tensor in expected.items():
+            assert (folded[n] - tensor).abs().max() < 1e-6, n
+        assert torch.equal(folded["lm_head.bias"], bias)  # no shift: the head bias stays
+        card = (dest / "README.md").read_text()
+        assert ("head bias, as Phi's, is kept exactly" if kind == "head" else "bias, as") in card
+
+        model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float64).eval()
+        plain = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float64).eval()
+        with torch.no_grad():
+            h = model.model(input_ids=ids).last_hidden_state
+            h = h - h @ m.T if kind == "head" else h * s
+            reference = h @ w.T + bias
+            error = (plain(input_ids=ids).logits - reference).abs().max()
+            assert error <= 1e-4, (kind, float(error))
+            assert (model(input_ids=ids).logits - reference).abs().max() > 1e-3
 
 
 def test_head_is_refused_where_the_gguf_would_drop_the_untied_head(tmp_path: Path) -> None:

@@ -524,9 +524,11 @@ def _folded(source: _Source, kind: str) -> str:
     """Where a plain kind lives in the checkpoint, and what that means for serving it."""
     arch = source.config["architectures"][0]
     where = (
-        "folded into the LM head (`W (I - M)`)"
+        "folded into the LM head (`W (I - M)`; no bias is added: a head without one gets none, "
+        "and a head bias, as Phi's, is kept exactly)"
         if kind == "head"
-        else "folded into the final norm's weight (a per-channel scale)"
+        else "folded into the final norm's weight (a per-channel scale; a LayerNorm's bias, as "
+        "Phi's, is scaled with it)"
     )
     untied = (
         " The merge ties its LM head to the input embedding; this folder unties it into its own "

@@ -5,8 +5,10 @@ Nothing of this package is needed to serve it: no ``auto_map``, no Python files,
 architecture lacks, so stock transformers, vLLM, llama.cpp's GGUF converter and the engines built
 on them load it as the merge. ``head`` rewrites the LM head as ``W (I - M)``; a tied head is
 untied into a separate ``lm_head.weight`` (``tie_word_embeddings: false``, +V x H parameters).
-``norm`` rewrites the final norm's weight so its scale is ``s`` times the merge's (a tied head
-stays tied). Only the shards that hold a rewritten tensor are written anew; the rest are placed
+``norm`` rewrites the final norm's weight so its scale is ``s`` times the merge's, and its bias
+(LayerNorm, as Phi's) to ``s`` times the merge's, since ``s (g x + b) = (g s) x + b s`` (a tied head
+stays tied). Neither kind has a shift: no bias is added to an LM head that lacks one, and a head
+bias (Phi's) stays as it is, ``W (I - M) h + b``. Only the shards that hold a rewritten tensor are written anew; the rest are placed
 as ``--link`` says.
 """
 
@@ -44,6 +46,7 @@ class Layout:
 
     head: str  # the tensor the LM head computes with (the embedding's when tied)
     norm: str | None  # the final norm's weight
+    norm_bias: str | None  # the final norm's bias (LayerNorm), if it has one
     norm_offset: float  # 1.0 where the norm scales by (1 + w) (Gemma), else 0.0
     tied: bool  # no separate head tensor in the checkpoint
 
@@ -61,16 +64,22 @@ def layout(out: Path, weight_map: Mapping[str, str]) -> Layout:
     base = model.base_model
     norm = next((getattr(base, a) for a in FINAL_NORMS if hasattr(base, a)), None)
     norm_name = None if norm is None else names[id(norm)] + ".weight"
-    if head not in weight_map or (norm_name is not None and norm_name not in weight_map):
+    has_bias = norm is not None and getattr(norm, "bias", None) is not None
+    bias_name = names[id(norm)] + ".bias" if has_bias else None
+    if any(n is not None and n not in weight_map for n in (head, norm_name, bias_name)):
         raise ExportError(f"{out}: the LM head or final norm is not among its tensors by name")
-    return Layout(head, norm_name, 0.0 if norm is None else _offset(norm), tied)
+    offset = 0.0 if norm is None else _offset(norm)
+    return Layout(head, norm_name, bias_name, offset, tied)
 
 
 def _offset(norm: torch.nn.Module) -> float:
-    """1.0 when a zero weight leaves the norm's input scaled by one (it applies ``1 + w``)."""
+    """1.0 when a zero weight leaves the norm's input scaled by one (it applies ``1 + w``); a
+    bias (LayerNorm) is zeroed too, or it alone would pass for the offset."""
     probe = copy.deepcopy(norm).to_empty(device="cpu").float()
     with torch.no_grad():
         probe.weight.zero_()
+        if getattr(probe, "bias", None) is not None:
+            probe.bias.zero_()
         out = probe(torch.ones(1, 1, probe.weight.shape[0]))
     return 1.0 if bool(out.abs().sum() > 0) else 0.0
 
@@ -89,7 +98,11 @@ def folded_tensors(
         if where.norm is None:
             raise ExportError(f"{out}: no final norm found to fold the norm correction into")
         weight = _read(out / weight_map[where.norm], where.norm)
-        return {where.norm: module.fold_norm(weight, where.norm_offset)}
+        folded = {where.norm: module.fold_norm(weight, where.norm_offset)}
+        if where.norm_bias is not None:  # a bias adds no offset: it scales by s alone
+            bias = _read(out / weight_map[where.norm_bias], where.norm_bias)
+            folded[where.norm_bias] = module.fold_norm(bias, 0.0)
+        return folded
     raise ExportError(f"module {module.kind!r} is not plain: it exports with its own code")
 
 
