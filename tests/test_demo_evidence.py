@@ -185,3 +185,48 @@ def test_collect_reads_the_merges_own_numbers_with_folds_or_a_held_out_share(cro
         got = (p.metrics["agreement"], p.metrics["kl"], p.metrics["completion_agreement"])
         assert got == pytest.approx(expected) and p.metrics["rho_l1"] == 0.0
     assert {p.metrics["agreement"] for p in points if p.variant != NONE_LABEL} == {0.6}
+
+
+def _surgery_row(merge: str, label: str, delta: float):
+    from demo.evaluation import Evaluation
+    from demo.report import Row
+
+    row = Row(merge, label, "surgery", Evaluation(dict.fromkeys(DOMAIN_NAMES, 0.0), {}))
+    row.delta_vs_none = {"mean": delta, "ci95": [delta - 1, delta + 1]}
+    return row
+
+
+def test_plain_evidence_counts_plain_verdicts_and_the_share_of_the_best_module_gain():
+    from demo.configs import DARTS_ROW, HEAD_ROW, HEADLINE, NORM_ROW, STANDARD_L1_ROW
+    from demo.evidence import plain_evidence, plain_markdown
+
+    deltas = {  # merge -> (Standard + L1, DARTS, head, norm)
+        "a": (2.0, 4.0, 1.0, 3.0),  # best module DARTS +4, best plain norm +3: 75 %
+        "b": (-1.0, -2.0, 0.5, -3.0),  # no module row gains: no share
+    }
+    rows = [
+        _surgery_row(merge, variant.label, delta)
+        for merge, values in deltas.items()
+        for variant, delta in zip(
+            (STANDARD_L1_ROW, DARTS_ROW, HEAD_ROW, NORM_ROW), values, strict=True
+        )
+    ]
+    cells = [
+        {"kept": [HEAD_ROW.label, "none", NORM_ROW.label]},
+        {"kept": ["none", "none", "none"]},
+        {"kept": [DARTS_ROW.label, HEAD_ROW.label, "none"]},
+    ]
+    evidence = plain_evidence(rows, HEADLINE, cells)
+    assert (evidence["verdicts"], evidence["kept_plain"]) == (9, 3)
+    assert (evidence["cells"], evidence["cells_kept_plain"]) == (3, 2)
+    assert evidence["kept_by_label"][HEAD_ROW.label] == 2
+    a, b = evidence["merges"]
+    assert a["best_module"] == {"label": DARTS_ROW.label, "delta": 4.0}
+    assert a["best_plain"] == {"label": NORM_ROW.label, "delta": 3.0}
+    assert a["share_kept"] == pytest.approx(0.75)
+    assert b["best_plain"]["label"] == HEAD_ROW.label and b["share_kept"] is None
+    assert evidence["mean_share_kept"] == pytest.approx(0.75)
+    text = plain_markdown(evidence)
+    assert "kept head or norm in 3 of 9 verdicts" in text and "2 of 3 cells" in text
+    assert f"| b | {STANDARD_L1_ROW.label}: -1.0 | {HEAD_ROW.label}: +0.5 | n/a (no gain) |" in text
+    assert text.endswith("where a module row gains: 75 %.")

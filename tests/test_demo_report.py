@@ -206,6 +206,19 @@ def test_rows_follow_the_results_schema() -> None:
     assert table[-1].split("|")[-3].strip().endswith("*")
 
 
+def test_the_joint_row_records_and_shows_what_its_verdict_kept() -> None:
+    rows = _rows()
+    joint = Row(
+        "task_arithmetic", "joint", "surgery", rows[4].evaluation, joint_kept=["head", "none"]
+    )
+    rows.append(joint)
+    add_deltas(rows)
+    assert joint.record()["joint_kept"] == ["head", "none"]
+    assert "joint_kept" not in rows[-2].record()
+    line = markdown_table(rows).splitlines()[-1]
+    assert line.endswith("| +0.0 [+0.0, +0.0] | kept head / none |")
+
+
 def test_regime_reports_the_share_of_each_gain_kept() -> None:
     rows = _rows()
     numbers = regime(rows)
