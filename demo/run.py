@@ -332,7 +332,7 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         tables.append(long_table(rows))
         figures += [p for m in settings.methods for p in _position_figures(settings, family, m)]
     plain = plain_evidence(rows, variants(settings.full, settings.scale), cells)
-    table = "\n\n".join([*tables, shift_table(shifts), plain_markdown(plain)])
+    table = "\n\n".join([*tables, shift_table(shifts)])
     regime_numbers = regime(rows)
     results: dict[str, Any] = {
         "settings": {
@@ -365,11 +365,13 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     (settings.out / "verdict.md").write_text(
         verdict_markdown({f"{settings.scale}, seed {settings.seed}": cells}) + "\n"
     )
+    (settings.out / "plain.md").write_text(plain_markdown(plain) + "\n")
     print(table)  # plain print: rich would wrap the table's long lines
+    print(plain_markdown(plain))
     print(summary(rows, regime_numbers))
     console.print(
         f"[green]done in {results['seconds']:.0f} s ({results['cpu_seconds']:.0f} s CPU); "
-        f"table.md, results.json under "
+        f"table.md, plain.md, results.json under "
         f"{settings.out}[/green]"
     )
     return results

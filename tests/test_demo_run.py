@@ -134,7 +134,7 @@ def test_demo_pipeline_produces_every_artifact_and_row(tmp_path, monkeypatch):
             if seed == 0:  # the yardstick's prompts and level are the first seed's verdict's
                 judged = {k: selection["detectable"][k] for k in ("prompts", "level")}
                 assert cell["judged"] == judged
-    _check_plain_evidence(results, out / "table.md")
+    _check_plain_evidence(results, out / "plain.md")
     verdict_md = (out / "verdict.md").read_text()
     assert verdict_md.count("| tiny, seed 0 | task_arithmetic | prompts |") == len(DOMAIN_NAMES)
     assert not (out / "selection.md").exists()  # the held-out study is --full only
@@ -162,7 +162,7 @@ def _check_joint_row(out, rows: list[dict], limit: int) -> None:
             assert joint["scores_by_seed"][str(seed)] == none["scores"]
 
 
-def _check_plain_evidence(results: dict, table_path) -> None:
+def _check_plain_evidence(results: dict, path) -> None:
     """The plain kinds' evidence counts the default's verdicts and names the best rows."""
     plain = results["plain"]
     verdicts = [k for cell in results["verdict_cells"] for k in cell["kept"]]
@@ -171,7 +171,7 @@ def _check_plain_evidence(results: dict, table_path) -> None:
     assert plain["kept_plain"] == kept_plain
     (merge,) = plain["merges"]
     assert merge["best_plain"]["label"] in {v.label for v in HEADLINE if v.plain}
-    table = table_path.read_text()
+    table = path.read_text()
     assert f"kept head or norm in {kept_plain} of {len(verdicts)} verdicts" in table
 
 
