@@ -26,7 +26,7 @@ from mergekit_darts.manifest import Manifest, TaskEntry
 
 N = 40
 JUDGED = {"prompts": 50, "level": 0.05 / 3}
-STD, DARTS_ROW, SELECT_ROW = HEADLINE  # Standard + L1, DARTS, the default
+STD, DARTS_ROW, *_, SELECT_ROW = HEADLINE  # Standard + L1, DARTS, (plain rows), the default
 
 
 def _evaluation(seed: int, rate: float) -> Evaluation:
