@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install demo demo-real demo-long demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm test-real test-lowest test-newest
+.PHONY: install demo demo-real demo-long demo-envs test test-quick lint format bench clean install-vllm test-vllm bench-vllm test-real test-lowest test-newest test-llamacpp
 
 $(STAMP): pyproject.toml startup/_darts_startup.py startup/mergekit_darts_hook.pth
 	$(PYTHON) -m venv $(VENV)
@@ -141,6 +141,25 @@ test-vllm: install-vllm
 ## $$DARTS_REAL_CACHE); tests/ in .venv, then vLLM serving its exports in .venv-vllm.
 test-real: install install-vllm
 	$(BIN)/python -m pytest -q -m real tests && $(BIN_VLLM)/python -m pytest -q -m real tests_vllm
+
+## llama.cpp itself on the real SmolLM2 plain export (tests_llamacpp/; outside CI): llama-cpp-python
+## 0.3.36, built from the same pinned sdist whose converter the GGUF test runs (tests/llamacpp.py),
+## in its own virtualenv, built once (about 22 minutes on 2 cores, niced). Greedy tokens and logits
+## of llama.cpp (F32 KV cache) against apply_surgery, and what Q8_0 and Q4 keep of the correction.
+VENV_LLAMACPP  := .venv-llamacpp
+STAMP_LLAMACPP := $(VENV_LLAMACPP)/.installed
+
+$(STAMP_LLAMACPP): | $(STAMP)
+	rm -rf $(VENV_LLAMACPP)
+	$(PYTHON) -m venv $(VENV_LLAMACPP)
+	echo '*' > $(VENV_LLAMACPP)/.gitignore
+	$(VENV_LLAMACPP)/bin/pip install -q --upgrade pip
+	sdist=$$(PYTHONPATH=. $(BIN)/python tests/llamacpp.py sdist) && \
+		nice -n 19 $(VENV_LLAMACPP)/bin/pip install -q "$$sdist"
+	touch $@
+
+test-llamacpp: install $(STAMP_LLAMACPP)
+	$(BIN)/python -m pytest -q -s -m real tests_llamacpp
 
 ## vLLM (with the plugin) vs hf-darts generate_until tokens/s, and the plugin vs plain vLLM on the
 ## same merged weights (tokens/s, time to first token) -> benchmarks/results/bench-vllm.*
