@@ -151,16 +151,7 @@ def _check_joint(config: SurgeryConfig, tasks: list[ResolvedTask]) -> None:
     if not joint:
         return
     names = [task.name for task in tasks]
-    for number, name in enumerate(joint.tasks or ()):
-        if name not in names:
-            raise SurgeryConfigError(
-                f"surgery.joint.tasks[{number}]: no task named {name!r} in the block (it has "
-                f"{', '.join(names)})"
-            )
-        if name in joint.tasks[:number]:
-            raise SurgeryConfigError(
-                f"surgery.joint.tasks[{number}]: task {name!r} is listed twice; list it once"
-            )
+    _check_named_tasks("surgery.joint.tasks", joint.tasks or [], names)
     count = len(joint_tasks(config))
     if count < 2:
         raise SurgeryConfigError(
@@ -168,6 +159,19 @@ def _check_joint(config: SurgeryConfig, tasks: list[ResolvedTask]) -> None:
             "more tasks or remove `joint:`"
         )
     plan_joint(config, tasks)
+
+
+def _check_named_tasks(key: str, named: list[str], names: list[str]) -> None:
+    """Each task ``key`` names is one of the block's ``names``, named once."""
+    for number, name in enumerate(named):
+        if name not in names:
+            raise SurgeryConfigError(
+                f"{key}[{number}]: no task named {name!r} in the block (it has {', '.join(names)})"
+            )
+        if name in named[:number]:
+            raise SurgeryConfigError(
+                f"{key}[{number}]: task {name!r} is listed twice; list it once"
+            )
 
 
 def _check_route(config: SurgeryConfig, tasks: list[ResolvedTask]) -> None:
@@ -182,16 +186,7 @@ def _check_route(config: SurgeryConfig, tasks: list[ResolvedTask]) -> None:
             f"surgery.route: a router weighs two or more tasks, the block has {len(names)} "
             f"({', '.join(names)}); add a task or remove `route:`"
         )
-    for number, name in enumerate(route.tasks or ()):
-        if name not in names:
-            raise SurgeryConfigError(
-                f"surgery.route.tasks[{number}]: no task named {name!r} in the block (it has "
-                f"{', '.join(names)})"
-            )
-        if name in route.tasks[:number]:
-            raise SurgeryConfigError(
-                f"surgery.route.tasks[{number}]: task {name!r} is listed twice; list it once"
-            )
+    _check_named_tasks("surgery.route.tasks", route.tasks or [], names)
     if route.tasks is not None and len(route.tasks) < 2:
         raise SurgeryConfigError(
             f"surgery.route.tasks: a router weighs two or more tasks, {len(route.tasks)} named; "
