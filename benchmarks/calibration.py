@@ -2,7 +2,7 @@
 
 Every function whose name starts with ``phase_`` runs in its own spawned interpreter (see
 :func:`benchmarks.measure.run_isolated`), so its peak memory is its own. The Table 8 numbers come
-from the real post-merge step, :func:`mergekit_darts.integrations.post_merge.run_surgery`, with
+from the real post-merge step, :func:`mergekit_darts.hosts.post_merge.run_surgery`, with
 its three phases wrapped by a peak-memory tracker (its public ``on_phase`` callback); the
 baselines (bare forward passes, a bare Adam loop, both models loaded at once) use the same token
 sequences, batch size and cache dtype.
@@ -71,7 +71,7 @@ def phase_pipeline(merged: str, block: dict[str, Any], device: str) -> dict[str,
     from safetensors.torch import load_file
 
     from mergekit_darts import run_surgery
-    from mergekit_darts.diagnostics import read_token_ids
+    from mergekit_darts.folder.diagnostics import read_token_ids
 
     warm_imports()
     task = block["tasks"][0]["name"]

@@ -32,9 +32,9 @@ def write_random_surgery(
     import torch
 
     from mergekit_darts import build_module
-    from mergekit_darts.artifacts import write_surgery_folder
-    from mergekit_darts.diagnostics import diagnostics_bytes
-    from mergekit_darts.manifest import diagnostics_file
+    from mergekit_darts.folder.artifacts import write_surgery_folder
+    from mergekit_darts.folder.diagnostics import diagnostics_bytes
+    from mergekit_darts.folder.manifest import diagnostics_file
 
     module = build_module("pos_corr", hidden, rank, max_positions, seed=0)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):

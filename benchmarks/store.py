@@ -90,7 +90,7 @@ def sweep_overhead(settings: Any, merged: str, target: str, calib: str, workdir:
     from mergekit_darts.calibrate.runtime import pad_id
     from mergekit_darts.calibrate.store import CaptureStore
     from mergekit_darts.calibrate.train import TrainSettings, train_surgery
-    from mergekit_darts.core.modules import build_module
+    from mergekit_darts.correction.modules import build_module
 
     base = _block(settings, [target], calib)
     cells = sweep.cells(GRID)
@@ -151,7 +151,7 @@ def sweep_overhead(settings: Any, merged: str, target: str, calib: str, workdir:
 
 def demo_block_loads(settings: Any, merged: str, targets: list[str], calib: str) -> dict:
     """15 tasks over 3 targets, the demo's shape: 5 variants per target, 2 with completions."""
-    from mergekit_darts.integrations.post_merge import run_surgery
+    from mergekit_darts.hosts.post_merge import run_surgery
 
     block = _block(settings, targets, calib, small=True)
     n = block["tasks"][0]["calibration"]["num_samples"]  # the smoke test has fewer than folds

@@ -49,8 +49,8 @@ def write_routed_surgery(merged: Path, routed_src: Path, settings: BenchSettings
     import torch
 
     from mergekit_darts import build_module
-    from mergekit_darts.artifacts import load_surgery, write_surgery_folder
-    from mergekit_darts.core.correction import Router
+    from mergekit_darts.correction.darts_correction import Router
+    from mergekit_darts.folder.artifacts import load_surgery, write_surgery_folder
 
     hidden = settings.model.hidden
     shutil.copytree(merged, routed_src, ignore=shutil.ignore_patterns("surgery"))
@@ -136,7 +136,7 @@ def measure(
     from lm_eval.models.vllm_causallms import VLLM
 
     from lm_eval_darts.model import DartsHFLM
-    from mergekit_darts.deploy.export import export
+    from mergekit_darts.hosts.deploy.export import export
 
     spec = settings.model
     pair = build_pair(root, spec)

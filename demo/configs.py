@@ -61,7 +61,7 @@ POS_CORR_L1 = {"module": "pos_corr", "loss": "l1"}
 DARTS = {"module": "pos_corr", "loss": "ewl1"}
 HEAD_EWL1 = {"module": "head", "loss": "ewl1"}
 NORM_EWL1 = {"module": "norm", "loss": "ewl1"}
-PLAIN_MODULES = (HEAD_EWL1["module"], NORM_EWL1["module"])  # core.correction.PLAIN_KINDS
+PLAIN_MODULES = (HEAD_EWL1["module"], NORM_EWL1["module"])  # darts_correction.PLAIN_KINDS
 NO_CORRECTION = {"module": "none"}
 # the block's default candidates, config.schema.DEFAULT_CANDIDATES (the merge as it is, then each
 # fixed variant `fixed_variant` finds), as its `select` rows' candidates: they train on the same

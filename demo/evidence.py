@@ -31,7 +31,7 @@ from demo.domains import DOMAIN_NAMES
 from demo.report import Row
 from mergekit_darts.calibrate.verdict import decide
 from mergekit_darts.config.schema import VERDICT_METRICS, SelectConfig
-from mergekit_darts.manifest import Manifest
+from mergekit_darts.folder.manifest import Manifest
 
 NONE_LABEL = "None (merged)"
 # metric -> sign that makes "higher is better" (KL is lower-is-better); `completion_agreement`

@@ -52,7 +52,7 @@ def logit_shift(merged: Path, prompts_file: Path, tasks: Sequence[str]) -> dict[
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mergekit_darts.apply import apply_surgery
-    from mergekit_darts.manifest import surgery_dir
+    from mergekit_darts.folder.manifest import surgery_dir
     from mergekit_darts.task_map import ROUTED
 
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()]

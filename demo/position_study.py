@@ -12,7 +12,7 @@ Standard + L1, DARTS and (when the merge has it) DARTS-calibrated-on-completions
 Everything is the product's own code: prompts are read and tokenized as calibration reads and
 tokenizes them, completions are calibration's greedy continuation, hidden states its capture,
 and the modules are loaded by ``load_surgery`` and applied by ``measure_bias`` with the position
-rule of ``core.correction``.
+rule of ``correction.darts_correction``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from matplotlib.figure import Figure
 from demo.configs import DARTS, STANDARD_L1, VARIANTS, lm_eval_task, surgery_task
 from demo.domains import DOMAIN_NAMES
 from demo.family_io import FamilyPaths
-from mergekit_darts.analysis.plots import as_array, position_mean
-from mergekit_darts.artifacts import load_surgery, read_manifest
 from mergekit_darts.calibrate.capture import Captured, capture
 from mergekit_darts.calibrate.continuation import (
     completion_mask,
@@ -43,10 +41,12 @@ from mergekit_darts.calibrate.runtime import Runtime, load_model, merged_tokeniz
 from mergekit_darts.calibrate.train import measure_bias
 from mergekit_darts.config import CalibrationConfig
 from mergekit_darts.config.schema import default
-from mergekit_darts.core.metrics import rho_from_deltas
+from mergekit_darts.correction.metrics import rho_from_deltas
 from mergekit_darts.errors import ReportError
-from mergekit_darts.fs import atomic_file, write_text
-from mergekit_darts.manifest import Manifest, surgery_dir
+from mergekit_darts.folder.artifacts import load_surgery, read_manifest
+from mergekit_darts.folder.fs import atomic_file, write_text
+from mergekit_darts.folder.manifest import Manifest, surgery_dir
+from mergekit_darts.present.plots import as_array, position_mean
 
 # Declared before any number was seen: the paper compares positions 0-50 with 100-256; the long
 # family's sequences end near 130-170, so early is the first 32 positions of the sequence and late

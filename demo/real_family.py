@@ -59,7 +59,7 @@ from demo.long_domains import LONG_DOMAINS
 from demo.pinning import PINS
 from demo.real_domains import REAL_DOMAINS
 from demo.smollm2 import WEIGHTS_SHA256, smollm2_folder
-from mergekit_darts.core.overlap import CalibrationGrams
+from mergekit_darts.overlap import CalibrationGrams
 
 END_OF_TURN = "<|im_end|>"
 

@@ -66,8 +66,8 @@ from demo.report import (
 )
 from demo.verdict_cells import cells as verdict_cells
 from demo.verdict_cells import markdown as verdict_markdown
-from mergekit_darts.artifacts import read_manifest
-from mergekit_darts.manifest import Manifest, surgery_dir
+from mergekit_darts.folder.artifacts import read_manifest
+from mergekit_darts.folder.manifest import Manifest, surgery_dir
 from mergekit_darts.task_map import JOINT
 
 console = Console()
@@ -263,8 +263,8 @@ def _mean(values: list[dict[str, float]]) -> dict[str, float]:
 
 def bias_figures(settings: DemoSettings, method: str) -> list[Path]:
     """Figure 1 of the paper for each domain's DARTS module: delta_t before/after surgery."""
-    from mergekit_darts.analysis.plots import plot_delta_by_position, plot_delta_heatmap
-    from mergekit_darts.analysis.report import load_diagnostics, position_bias_norm
+    from mergekit_darts.present.plots import plot_delta_by_position, plot_delta_heatmap
+    from mergekit_darts.present.report import load_diagnostics, position_bias_norm
 
     surgery = surgery_dir(settings.out / "merges" / method)
     manifest = read_manifest(surgery)

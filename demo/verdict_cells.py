@@ -33,7 +33,7 @@ from demo.evaluation import Evaluation
 from demo.report import BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED, Row, delta_cell, item_differences
 from mergekit_darts.analysis.stats import seeded_bootstrap
 from mergekit_darts.calibrate.verdict import fewest_changes, signed_rank_test
-from mergekit_darts.manifest import Manifest
+from mergekit_darts.folder.manifest import Manifest
 
 NONE_KEPT = "none"
 BREAK_RATE_STEPS = 400  # exact_test_ceiling searches break rates in steps of 1 / this

@@ -29,10 +29,10 @@ from typing import Any
 
 from lm_eval.api.instance import Instance
 
-from mergekit_darts.artifacts import read_manifest
-from mergekit_darts.core.overlap import NGRAM, CalibrationGrams
-from mergekit_darts.diagnostics import diagnostics_path, read_token_ids
 from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.folder.artifacts import read_manifest
+from mergekit_darts.folder.diagnostics import diagnostics_path, read_token_ids
+from mergekit_darts.overlap import NGRAM, CalibrationGrams
 from mergekit_darts.task_map import JOINT, ROUTED
 
 log = logging.getLogger(__name__)

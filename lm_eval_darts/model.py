@@ -34,17 +34,17 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval_darts.hook import register
 from lm_eval_darts.leakage import LeakageCheck
 from mergekit_darts.apply import Correction, SurgeryHandle, model_folder
-from mergekit_darts.artifacts import (
+from mergekit_darts.errors import (
+    ModelArgsError,
+    SurgeryFormatError,
+    UnsupportedModelError,
+)
+from mergekit_darts.folder.artifacts import (
     load_joint,
     load_routed,
     load_surgery,
     read_manifest,
     resolve_task,
-)
-from mergekit_darts.errors import (
-    ModelArgsError,
-    SurgeryFormatError,
-    UnsupportedModelError,
 )
 from mergekit_darts.task_map import (
     AUTO,

@@ -4,26 +4,29 @@ Data flow: merge YAML -> mergekit merge -> calibrate (capture hidden states, tra
 task) -> save into ``out/surgery`` -> load and apply at inference (lm-eval's ``hf-darts``) or
 export (transformers, vLLM). The subpackages read top-down; each imports only those above it:
 
-- ``errors``, ``fs``, ``manifest``, ``task_map``: one error root, atomic writes, the file names and
-  typed manifest, which module serves which lm-eval task;
-- ``core``: the modules, losses, metrics and the LM head's real output path (torch only);
-  ``core/correction.py``, the correction itself, imports nothing of this package and ships
-  inside every export;
-- ``config``: the ``surgery:`` block: schema, resolution, parsing, preflight checks, messages;
-- ``artifacts``, ``apply``: the ``surgery/`` folder written and read; the correction as hooks;
+- ``errors``, ``envflags``, ``messages``, ``overlap``: one error root, the boolean environment
+  flags, one-line schema messages, the n-gram overlap with calibration prompts;
+- ``correction``: the two files every export ships (``darts_correction.py``, the correction
+  itself, and ``modeling_darts.py``, the export format; torch and transformers only, nothing of
+  this package), the kinds' sizes, seeded training modules, losses, metrics and the LM head's
+  real output path;
+- ``task_map``: which module serves which lm-eval task;
+- ``folder``: the ``surgery/`` format: manifest, artifacts, diagnostics, identity, atomic writes;
+- ``apply``: the correction as hooks on a loaded model;
+- ``config``: the ``surgery:`` block: schema, resolution, parsing, preflight checks;
 - ``calibrate``: prompts -> captured hidden states (with a store) -> trained modules -> ``surgery/``;
-- ``integrations``: mergekit's ``run_merge`` and ``mergekit-multi``, the post-merge step, the
-  recorded recipe, the model card;
-- ``deploy``: export (``modeling_darts.py`` is shipped inside every export next to
-  ``core/correction.py``, importing only torch, transformers and that file) and ``vllm_plugin``;
-- ``analysis``: report, plots, statistics, sweeps;
+- ``present``: the model card (merged folder and export), the terminal summary, the report and
+  its plots;
+- ``hosts``: mergekit (``run_merge``, ``mergekit-multi``, the recorded recipe), the post-merge
+  step, lm-eval as a ``select`` metric, the export (``deploy``) and the vLLM plugin;
+- ``analysis``: statistics and sweeps;
 - ``cli``: one thin file per command, imported only when that command runs.
 
 The demo (``python -m demo``) and the benchmarks live beside this package in the repository and
 are not installed with it; nothing here imports them.
 
 The public names load lazily (PEP 562): the startup hook imports
-``mergekit_darts.integrations.mergekit_hook`` on every ``mergekit-yaml`` start, and that must not
+``mergekit_darts.hosts.mergekit.hook`` on every ``mergekit-yaml`` start, and that must not
 pull in torch-heavy modules it does not need.
 """
 
@@ -32,10 +35,10 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "SurgeryHandle": "apply",
     "apply_surgery": "apply",
-    "load_surgery": "artifacts",
-    "SurgeryModule": "core.correction",
-    "build_module": "core.modules",
-    "run_surgery": "integrations.post_merge",
+    "load_surgery": "folder.artifacts",
+    "SurgeryModule": "correction.darts_correction",
+    "build_module": "correction.modules",
+    "run_surgery": "hosts.post_merge",
 }
 
 __all__ = [
@@ -49,10 +52,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from mergekit_darts.apply import SurgeryHandle, apply_surgery
-    from mergekit_darts.artifacts import load_surgery
-    from mergekit_darts.core.correction import SurgeryModule
-    from mergekit_darts.core.modules import build_module
-    from mergekit_darts.integrations.post_merge import run_surgery
+    from mergekit_darts.correction.darts_correction import SurgeryModule
+    from mergekit_darts.correction.modules import build_module
+    from mergekit_darts.folder.artifacts import load_surgery
+    from mergekit_darts.hosts.post_merge import run_surgery
 
 
 def __getattr__(name: str):

@@ -1,7 +1,7 @@
 """Attach a surgery module to a Hugging Face causal LM with hooks (no weight edits).
 
 ``apply_surgery`` and the lm-eval ``hf-darts`` class both use this. It runs the exported model's
-own mechanism (:mod:`mergekit_darts.core.correction`), so ``apply_surgery`` and an exported folder
+own mechanism (:mod:`mergekit_darts.correction.darts_correction`), so ``apply_surgery`` and an exported folder
 give the same numbers by construction:
 
 * a forward pre-hook on the whole model, and on every module inside it that ends in the same
@@ -33,7 +33,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from mergekit_darts.core.correction import (
+from mergekit_darts.correction.darts_correction import (
     SURGERY,
     Correction,
     RoutedSurgery,
@@ -208,7 +208,7 @@ def apply_surgery(
 
 
 def _load(folder: Path, task: str | None, weights: Path | None) -> Correction:
-    from mergekit_darts.artifacts import load_joint, load_routed, load_surgery
+    from mergekit_darts.folder.artifacts import load_joint, load_routed, load_surgery
 
     if task == ROUTED:
         return load_routed(folder, weights=weights).eval()

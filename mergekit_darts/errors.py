@@ -5,7 +5,7 @@ Every message is one line that names what is wrong and how to fix it. A failure 
 ones that callers have long caught as ``ValueError`` or ``RuntimeError`` keep that second base.
 Every command prints one the same way, :func:`error_line`: the click commands (``mergekit-darts``,
 the hooked ``mergekit-yaml`` and ``mergekit-multi``) through
-:mod:`mergekit_darts.integrations.click_errors`, ``lm_eval`` and ``lm-eval-darts`` through
+:mod:`mergekit_darts.hosts.click_errors`, ``lm_eval`` and ``lm-eval-darts`` through
 :mod:`lm_eval_darts.cli`. Nothing here depends on click; library callers catch the class they
 care about.
 """

@@ -13,7 +13,7 @@ import string
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from mergekit_darts.core.correction import ROUTED  # every task's module behind one gate
+from mergekit_darts.correction.darts_correction import ROUTED  # every task's module behind one gate
 from mergekit_darts.errors import DoubleClaim, ModelArgsError, SurgeryFormatError
 
 NONE = "none"  # no correction

@@ -13,8 +13,8 @@ import sys
 
 # watched module -> (module with an ``install(module)`` function) run after it finishes importing
 _PATCHES = {
-    "mergekit.merge": "mergekit_darts.integrations.mergekit_hook",
-    "mergekit.scripts.multimerge": "mergekit_darts.integrations.multimerge",  # mergekit-multi
+    "mergekit.merge": "mergekit_darts.hosts.mergekit.hook",
+    "mergekit.scripts.multimerge": "mergekit_darts.hosts.mergekit.multimerge",  # mergekit-multi
     "lm_eval.models": "lm_eval_darts.hook",
     "lm_eval.__main__": "lm_eval_darts.cli",  # the stock lm_eval: one-line DartsError
 }

@@ -13,7 +13,7 @@ from tiny import random_modules, write_surgery
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, load_surgery
-from mergekit_darts.core.correction import correction_module
+from mergekit_darts.correction.darts_correction import correction_module
 from mergekit_darts.errors import SurgeryFormatError
 
 RANK, MAX_POSITIONS = 4, 6  # the prompt runs past the table: rows outside it get no position term

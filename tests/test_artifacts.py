@@ -10,9 +10,9 @@ from safetensors.torch import save_file
 from tiny import random_module, write_surgery
 
 from mergekit_darts import load_surgery
-from mergekit_darts.artifacts import read_manifest, write_surgery_folder
 from mergekit_darts.errors import SurgeryFormatError
-from mergekit_darts.manifest import plain_file_name, relative_file_name
+from mergekit_darts.folder.artifacts import read_manifest, write_surgery_folder
+from mergekit_darts.folder.manifest import plain_file_name, relative_file_name
 
 H, R, T = 12, 3, 6
 

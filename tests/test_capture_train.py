@@ -15,7 +15,7 @@ from mergekit_darts.calibrate.train import (
     train_stacked,
     train_surgery,
 )
-from mergekit_darts.core.metrics import token_entropy
+from mergekit_darts.correction.metrics import token_entropy
 
 
 @pytest.fixture(scope="module")

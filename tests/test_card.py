@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from tiny import surgery_block
 
-from mergekit_darts.integrations.card import START, update_model_card
-from mergekit_darts.integrations.post_merge import run_surgery
-from mergekit_darts.manifest import Manifest
+from mergekit_darts.folder.manifest import Manifest
+from mergekit_darts.hosts.post_merge import run_surgery
+from mergekit_darts.present.card import START, update_model_card
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
 

@@ -95,9 +95,7 @@ def merged_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     def merge_with_surgery(run_merge, config, out_path, options, source, *, overwrite):
         calls.append({"out": out_path, "options": options, "overwrite": overwrite, "src": source})
 
-    monkeypatch.setattr(
-        "mergekit_darts.integrations.mergekit_hook.merge_with_surgery", merge_with_surgery
-    )
+    monkeypatch.setattr("mergekit_darts.hosts.mergekit.hook.merge_with_surgery", merge_with_surgery)
     return calls
 
 
@@ -155,7 +153,7 @@ def test_darts_error_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise SurgeryConfigError("surgery.steps: must be positive; set steps: 100")
 
-    monkeypatch.setattr("mergekit_darts.integrations.post_merge.run_surgery", refuse)
+    monkeypatch.setattr("mergekit_darts.hosts.post_merge.run_surgery", refuse)
     (tmp_path / "surgery.yml").write_text("steps: 0\n")
     run = CliRunner().invoke(main, ["calibrate", str(tmp_path), str(tmp_path / "surgery.yml")])
     assert run.exit_code == 1

@@ -31,9 +31,9 @@ from mergekit_darts.calibrate.data import tokenize_prompts
 from mergekit_darts.calibrate.pipeline import prepare_surgery
 from mergekit_darts.config import parse_surgery, read_surgery_file, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError
-from mergekit_darts.integrations.mergekit_hook import prepare_merge_surgery
-from mergekit_darts.integrations.post_merge import run_surgery
-from mergekit_darts.manifest import Manifest
+from mergekit_darts.folder.manifest import Manifest
+from mergekit_darts.hosts.mergekit.hook import prepare_merge_surgery
+from mergekit_darts.hosts.post_merge import run_surgery
 from mergekit_darts.task_map import DoubleClaim, eval_task_map, manifest_task_map
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from mergekit_darts.calibrate.continuation import (
     left_pad,
     tokens_sha256,
 )
-from mergekit_darts.core.metrics import rho_l1
+from mergekit_darts.correction.metrics import rho_l1
 from mergekit_darts.errors import SurgeryError, SurgeryRunError
 
 NEW_TOKENS = 10

@@ -18,8 +18,8 @@ from mergekit_darts import run_surgery
 from mergekit_darts.calibrate.selection import fold_split
 from mergekit_darts.config import parse_surgery, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.integrations.card import print_summary
-from mergekit_darts.manifest import Manifest
+from mergekit_darts.folder.manifest import Manifest
+from mergekit_darts.present.summary import print_summary
 
 TOKENS = 6  # completion tokens: enough for the reproduced prefix to take several values
 FOLDS = 3

@@ -1,4 +1,4 @@
-"""Defaults are named once (the block's schema, core.spec) and read from there everywhere."""
+"""Defaults are named once (the block's schema, correction.spec) and read from there everywhere."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from demo.domains import DOMAIN_NAMES
 from demo.evaluation import digest
 from demo.run import DemoSettings, run_demo
 from mergekit_darts.config.schema import DEFAULT_CANDIDATES
-from mergekit_darts.core.correction import PLAIN_KINDS
+from mergekit_darts.correction.darts_correction import PLAIN_KINDS
 
 SELECT_TASKS = [f"{d}_select" for d in DOMAIN_NAMES]  # the joint correction's tasks
 

@@ -16,8 +16,8 @@ import tiny
 import yaml
 
 from mergekit_darts.analysis import sweep
-from mergekit_darts.deploy.export import export
 from mergekit_darts.errors import ExportError, SurgeryConfigError
+from mergekit_darts.hosts.deploy.export import export
 
 
 def listing(folder: Path) -> list[str]:

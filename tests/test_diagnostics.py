@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mergekit_darts.diagnostics import diagnostics_bytes, diagnostics_path, read_token_ids
-from mergekit_darts.manifest import TaskEntry, diagnostics_file
+from mergekit_darts.folder.diagnostics import diagnostics_bytes, diagnostics_path, read_token_ids
+from mergekit_darts.folder.manifest import TaskEntry, diagnostics_file
 
 
 def _entry(diagnostics: str | None) -> TaskEntry:
@@ -17,7 +17,7 @@ def _entry(diagnostics: str | None) -> TaskEntry:
 
 def test_written_file_reads_back_in_report_and_leakage(tmp_path: Path) -> None:
     from lm_eval_darts.leakage import calibration_sequences
-    from mergekit_darts.analysis.report import load_diagnostics
+    from mergekit_darts.present.report import load_diagnostics
 
     sequences = [[2, 5, 6, 7], [2, 9]]
     mask = torch.tensor([[True] * 4, [True, True, False, False]])

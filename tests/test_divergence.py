@@ -81,8 +81,8 @@ def test_divergence_compares_the_loss_over_every_training_token(
     """loss_start / loss_end against l1 computed here from the captures (the module is the identity at init)."""
     from mergekit_darts.calibrate.pipeline import capture_tasks, prepare_surgery
     from mergekit_darts.calibrate.train import DIVERGENCE_FACTOR, TrainSettings, train_surgery
-    from mergekit_darts.core.correction import token_positions
-    from mergekit_darts.core.modules import build_module
+    from mergekit_darts.correction.darts_correction import token_positions
+    from mergekit_darts.correction.modules import build_module
 
     block = _block(tiny_family, calibration_data) | {"cache_dtype": "float32"}
     prepared = prepare_surgery(block, reference=str(merged), reference_label="m", out_path=merged)
@@ -142,8 +142,8 @@ def test_a_diverging_select_candidate_is_left_out_and_recorded(
 
 
 def test_non_finite_weights_or_numbers_are_never_written(tmp_path):
-    from mergekit_darts.artifacts import write_surgery_folder
-    from mergekit_darts.core.modules import build_module
+    from mergekit_darts.correction.modules import build_module
+    from mergekit_darts.folder.artifacts import write_surgery_folder
 
     folder = tmp_path / "surgery"
     module = build_module("standard", 8, 2, 4)

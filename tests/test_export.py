@@ -43,10 +43,10 @@ from tiny import random_modules, write_surgery
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery
-from mergekit_darts.artifacts import expected_shapes
 from mergekit_darts.calibrate.train import positions_of
 from mergekit_darts.cli import main
-from mergekit_darts.core.correction import (
+from mergekit_darts.correction import modeling_darts
+from mergekit_darts.correction.darts_correction import (
     MODULE_KINDS,
     PLAIN_KINDS,
     call_positions,
@@ -54,9 +54,9 @@ from mergekit_darts.core.correction import (
     head_positions,
     token_positions,
 )
-from mergekit_darts.deploy import modeling_darts
-from mergekit_darts.deploy.export import MODELING_FILE, SHIPPED_FILES, export
-from mergekit_darts.deploy.modeling_darts import darts_section, weights_fingerprint
+from mergekit_darts.correction.modeling_darts import darts_section, weights_fingerprint
+from mergekit_darts.folder.artifacts import expected_shapes
+from mergekit_darts.hosts.deploy.export import MODELING_FILE, SHIPPED_FILES, export
 
 # the kinds with tensors, each exported as a task of its own name ("none" is a reserved task name:
 # the none module, and routed exports, are tested in test_export_routed.py; the plain kinds export
@@ -712,7 +712,7 @@ def test_hardlink_across_filesystems_is_refused(merged: Path) -> None:
 def test_a_full_disk_is_one_line_and_leaves_nothing(
     where: str, merged: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mergekit_darts.deploy.export as module
+    import mergekit_darts.hosts.deploy.export as module
 
     def full(*_args: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -731,7 +731,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(
 def test_another_write_error_is_one_line_too(
     merged: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mergekit_darts.deploy.export as module
+    import mergekit_darts.hosts.deploy.export as module
 
     def denied(src: Any, dst: Any) -> None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dst))

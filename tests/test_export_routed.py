@@ -38,11 +38,11 @@ from tiny import write_routed_surgery
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery
-from mergekit_darts.artifacts import load_routed
 from mergekit_darts.cli import main
-from mergekit_darts.deploy.export import export
-from mergekit_darts.deploy.modeling_darts import darts_section, weights_fingerprint
-from mergekit_darts.identity import weights_identity
+from mergekit_darts.correction.modeling_darts import darts_section, weights_fingerprint
+from mergekit_darts.folder.artifacts import load_routed
+from mergekit_darts.folder.identity import weights_identity
+from mergekit_darts.hosts.deploy.export import export
 
 # background on / off; one task of kind none in each, the others covering every module kind
 KINDS = {

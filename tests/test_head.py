@@ -24,8 +24,8 @@ from mergekit_darts import build_module
 from mergekit_darts.calibrate.capture import Captured, capture
 from mergekit_darts.calibrate.selection import held_out_metrics
 from mergekit_darts.calibrate.train import TrainSettings, train_surgery
-from mergekit_darts.core import head as head_module
-from mergekit_darts.core.head import OutputHead
+from mergekit_darts.correction import head as head_module
+from mergekit_darts.correction.head import OutputHead
 from mergekit_darts.errors import HeadError
 
 VOCAB, HIDDEN = 48, 32

@@ -16,7 +16,7 @@ from tiny import build_tokenizer, surgery_task, tiny_config
 from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
 
 from mergekit_darts import run_surgery
-from mergekit_darts.core import head
+from mergekit_darts.correction import head
 from mergekit_darts.errors import SurgeryRunError
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process

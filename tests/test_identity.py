@@ -22,12 +22,13 @@ from click.testing import CliRunner
 from tiny import BIN, script_env
 from transformers import AutoModelForCausalLM
 
-from mergekit_darts import apply_surgery, identity, load_surgery, run_surgery
-from mergekit_darts.artifacts import read_manifest
-from mergekit_darts.deploy.export import export
+from mergekit_darts import apply_surgery, load_surgery, run_surgery
 from mergekit_darts.errors import SurgeryFormatError
-from mergekit_darts.identity import cache_key as model_identity
-from mergekit_darts.identity import weights_identity
+from mergekit_darts.folder import identity
+from mergekit_darts.folder.artifacts import read_manifest
+from mergekit_darts.folder.identity import cache_key as model_identity
+from mergekit_darts.folder.identity import weights_identity
+from mergekit_darts.hosts.deploy.export import export
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
 
@@ -171,7 +172,7 @@ def test_fingerprints_see_every_tensor_and_not_the_recipe(merged, tmp_path):
     ],
 )
 def test_a_bad_weights_record_gets_a_one_line_error(merged, tmp_path, weights):
-    from mergekit_darts.deploy.modeling_darts import darts_section
+    from mergekit_darts.correction.modeling_darts import darts_section
 
     dest = export(merged, tmp_path / "dest", "math", link="copy")[0]
     config = json.loads((dest / "config.json").read_text())
@@ -293,7 +294,7 @@ def hooked_merge(config: dict[str, Any], out: Path, sharded: bool) -> None:
     from mergekit.config import MergeConfiguration
     from mergekit.options import MergeOptions
 
-    from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
+    from mergekit_darts.hosts.mergekit.hook import merge_with_surgery
 
     options = MergeOptions(quiet=True, out_shard_size=100_000 if sharded else 5 * 10**9)
     merge_with_surgery(

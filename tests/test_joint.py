@@ -83,7 +83,7 @@ def test_joint_type_one_rate_under_the_null_is_at_most_alpha() -> None:
 def test_a_two_task_plain_block_fits_judges_and_serves_a_joint_correction(
     tiny_family, calibration_data: Path, tiny_merged: Path, tmp_path: Path
 ) -> None:
-    from mergekit_darts.deploy.export import export
+    from mergekit_darts.hosts.deploy.export import export
 
     merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
     run_surgery(merged, two_task_block(tiny_family, calibration_data, plain=True), progress=False)
@@ -126,7 +126,7 @@ def test_surgery_joint_without_a_joint_correction_is_one_line(
 ) -> None:
     from tiny import quick_block
 
-    from mergekit_darts.deploy.export import export
+    from mergekit_darts.hosts.deploy.export import export
 
     merged = Path(shutil.copytree(tiny_merged, tmp_path / "merged"))
     run_surgery(merged, quick_block(tiny_family, calibration_data, plain=True), progress=False)
@@ -191,7 +191,7 @@ def test_a_joint_export_is_the_joint_correction_in_stock_transformers(
 ) -> None:
     from transformers import AutoConfig
 
-    from mergekit_darts.deploy.export import export
+    from mergekit_darts.hosts.deploy.export import export
 
     config = AutoConfig.for_model(
         "llama",

@@ -1,5 +1,6 @@
-"""The layering the folder names promise (README, layout): core and config import with lm-eval,
-plotting, statistics and click unavailable, and never reach into the layers built on them.
+"""The layering the folder names promise (README, layout): the correction, the surgery/ format,
+the config and the calibration import with lm-eval, plotting, statistics and click unavailable,
+and never reach into the layers built on them (present/, hosts/, ...).
 
 Each check runs in a fresh interpreter whose ``sys.modules`` maps the unavailable packages to
 None, so any import of them, direct or through another module, fails there."""
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-UNAVAILABLE = ("lm_eval", "lm_eval_darts", "matplotlib", "scipy", "click")
-LATER_LAYERS = ("calibrate", "integrations", "analysis", "deploy.export", "vllm_plugin", "cli")
+# what a surgery folder is read and computed without: evaluation and plotting, and the CLI's click
+REPORTING = ("lm_eval", "lm_eval_darts", "matplotlib", "scipy")
+UNAVAILABLE = (*REPORTING, "click")
+LATER_LAYERS = ("calibrate", "present", "hosts", "analysis", "cli")
 
 SCRIPT = """
 import importlib, json, pkgutil, sys
@@ -32,7 +35,8 @@ print(json.dumps(sorted(sys.modules)))
 @pytest.mark.parametrize(
     ("package", "forbidden"),
     [
-        ("mergekit_darts.core", ("config", "deploy", *LATER_LAYERS)),
+        ("mergekit_darts.correction", ("task_map", "folder", "apply", "config", *LATER_LAYERS)),
+        ("mergekit_darts.folder", ("apply", "config", *LATER_LAYERS)),
         ("mergekit_darts.config", LATER_LAYERS),
         ("mergekit_darts.calibrate", LATER_LAYERS[1:]),
     ],
@@ -51,27 +55,26 @@ def test_layer_imports_without_what_comes_after_it(package, forbidden):
 
 
 # Top-down: each layer may import itself and the layers listed before it, nothing after.
-# core/correction.py is shipped inside exports and imports nothing from this package, so it sits
-# with the foundations; deploy/ (the export and the other shipped file, modeling_darts.py) builds
-# on everything below it.
+# correction/darts_correction.py and correction/modeling_darts.py are shipped inside exports and
+# import nothing from this package, so they sit with the foundations; the rest of correction/
+# builds on them, folder/ (the surgery/ format) on the correction, and so on down to the CLI.
 LAYERS = [
     (
-        "core.correction",
-        "core.spec",
+        "correction.darts_correction",
+        "correction.modeling_darts",
         "errors",
         "envflags",
-        "fs",
         "messages",
-        "manifest",
-        "task_map",
+        "overlap",
     ),
-    ("identity",),  # a model folder's content identity and cache key
-    ("core", "losses", "metrics"),
+    ("correction",),  # the kinds' sizes, training modules, losses, metrics, the LM head's path
+    ("task_map",),
+    ("folder",),  # manifest, artifacts, diagnostics, identity, fs
+    ("apply",),
     ("config",),
-    ("artifacts", "apply", "diagnostics"),
     ("calibrate",),
-    ("integrations",),
-    ("deploy", "vllm_plugin"),
+    ("present",),  # the card, the summary, the report and its plots
+    ("hosts",),  # mergekit, the post-merge step, lm-eval as a metric, the export, vLLM
     ("analysis",),
     ("cli",),
 ]
@@ -103,13 +106,14 @@ def test_every_import_runs_one_way():
     assert not upward, upward
 
 
-# Who may import deploy/: the vLLM plugin serves exported folders (it reads their format from
-# modeling_darts.py) and the CLI runs the export; nothing else, so no layer below or beside
-# the export depends on what an exported folder ships.
-DEPLOY_USERS = ("mergekit_darts.deploy", "mergekit_darts.vllm_plugin", "mergekit_darts.cli")
+# Who may import hosts/deploy/ (the export): the CLI, which runs it. The vLLM plugin serves
+# exported folders through the format the shipped correction/modeling_darts.py defines, so no
+# other layer depends on how an export is written.
+DEPLOY = "mergekit_darts.hosts.deploy"
+DEPLOY_USERS = (DEPLOY, "mergekit_darts.cli")
 
 
-def test_only_the_plugin_and_the_cli_import_deploy():
+def test_only_the_cli_imports_deploy():
     """Lazy imports inside functions count too."""
     found = [
         f"{module} imports {name}"
@@ -117,7 +121,38 @@ def test_only_the_plugin_and_the_cli_import_deploy():
         for module, path in _modules(package).items()
         if not module.startswith(DEPLOY_USERS)
         for name in _imported_names(module, path)
-        if name.startswith(DEPLOY_USERS[0])
+        if name.startswith(DEPLOY)
+    ]
+    assert not found, found
+
+
+def test_the_correction_imports_only_itself_and_the_error_root():
+    """correction/ is what every other folder builds on and what an export ships: of this package
+    it reaches only its own modules and ``errors`` (which imports nothing)."""
+    allowed = ("mergekit_darts.correction", "mergekit_darts.errors")
+    found = [
+        f"{module} imports {name}"
+        for module, path in _modules("mergekit_darts").items()
+        if module.startswith("mergekit_darts.correction")
+        for name in _imported_names(module, path)
+        if name.split(".")[0] == "mergekit_darts" and not name.startswith(allowed)
+    ]
+    assert not found, found
+
+
+@pytest.mark.parametrize("folder", ["correction", "folder"])
+def test_the_correction_and_the_format_reach_no_host_and_no_report(folder: str) -> None:
+    """Nothing in correction/ or folder/ imports hosts/, present/, lm-eval, lm_eval_darts,
+    matplotlib or scipy, lazily or not: a surgery folder is read and its correction computed
+    with none of them."""
+    prefix = f"mergekit_darts.{folder}"
+    ours = ("mergekit_darts.hosts", "mergekit_darts.present")
+    found = [
+        f"{module} imports {name}"
+        for module, path in _modules("mergekit_darts").items()
+        if module == prefix or module.startswith(prefix + ".")
+        for name in _imported_names(module, path)
+        if name.startswith(ours) or name.split(".")[0] in REPORTING
     ]
     assert not found, found
 

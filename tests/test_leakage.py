@@ -13,10 +13,10 @@ from tiny import surgery_block
 from transformers import AutoTokenizer
 
 from lm_eval_darts.leakage import LeakageCheck
-from mergekit_darts.analysis.report import write_report
 from mergekit_darts.errors import ReportError, SurgeryFormatError
-from mergekit_darts.integrations.post_merge import run_surgery
-from mergekit_darts.manifest import surgery_dir
+from mergekit_darts.folder.manifest import surgery_dir
+from mergekit_darts.hosts.post_merge import run_surgery
+from mergekit_darts.present.report import write_report
 
 # Requests that share only the first words of calibration prompts ("question :", "def add",
 # "the sun", "repeat the"), and one that holds a whole prompt ("the sun and the moon").

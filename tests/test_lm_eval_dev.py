@@ -32,7 +32,7 @@ from mergekit_darts.calibrate.store import StoreStats
 from mergekit_darts.calibrate.verdict import DEV_TEST, Wording, decide, signed_rank_test
 from mergekit_darts.config import parse_surgery, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.integrations.lm_eval_dev import LmEvalDev
+from mergekit_darts.hosts.lm_eval_dev import LmEvalDev
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 DEV, DEV_GEN = "darts_tiny_dev", "darts_tiny_dev_gen"

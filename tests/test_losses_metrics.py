@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mergekit_darts import losses, metrics
+from mergekit_darts.correction import losses, metrics
 
 
 def _data(seed: int = 0, b: int = 3, t: int = 5, h: int = 7, v: int = 11):
@@ -150,7 +150,7 @@ def test_rho_from_deltas_matches_reference_for_torch_and_numpy():
 
 
 def test_rho_from_sums_is_eq_7_on_totals():
-    from mergekit_darts.core.metrics import rho_from_sums
+    from mergekit_darts.correction.metrics import rho_from_sums
 
     before = torch.tensor(3.0, dtype=torch.float64)
     assert rho_from_sums(before, torch.tensor(1.25, dtype=torch.float64)) == 1 - 1.25 / 3.0
@@ -159,7 +159,7 @@ def test_rho_from_sums_is_eq_7_on_totals():
 
 def test_masked_minus_inf_logits_are_probability_zero_not_nan():
     """Entropy and KL with -inf logits against a float64 sum over the finite tokens only."""
-    from mergekit_darts.core.metrics import token_entropy, token_kl
+    from mergekit_darts.correction.metrics import token_entropy, token_kl
 
     logits = torch.tensor([[1.0, -math.inf, 0.5, 2.0], [0.0, 0.0, -math.inf, -math.inf]])
     pred = torch.tensor([[0.5, 0.1, -1.0, 1.0], [1.0, -math.inf, 0.0, 0.3]])

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from mergekit_darts import load_surgery, run_surgery
 from mergekit_darts.errors import SurgeryConfigError, SurgeryFormatError, SurgeryRunError
-from mergekit_darts.integrations.mergekit_hook import merge_with_surgery, refuse_unread_block
+from mergekit_darts.hosts.mergekit.hook import merge_with_surgery, refuse_unread_block
 
 # Stock flags that must keep working next to the surgery block (mergekit's own options).
 FLAGS = {

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mergekit_darts import build_module
-from mergekit_darts.core.correction import MODULE_KINDS
+from mergekit_darts.correction.darts_correction import MODULE_KINDS
 
 H, R, T_MAX = 16, 4, 8
 
@@ -116,7 +116,7 @@ def test_bad_arguments_are_errors():
 
 
 def test_every_kind_is_one_registered_class():
-    from mergekit_darts.core.correction import (
+    from mergekit_darts.correction.darts_correction import (
         PLAIN_KINDS,
         SurgeryModule,
         correction_module,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from tiny import surgery_block
 
-from mergekit_darts.integrations.multimerge import local_dir
+from mergekit_darts.hosts.mergekit.multimerge import local_dir
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -21,14 +21,14 @@ from reference import pos_corr_logits64
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-from mergekit_darts.analysis.report import write_report
 from mergekit_darts.apply import SurgeryHandle
-from mergekit_darts.artifacts import load_surgery, read_manifest, write_surgery_folder
 from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.cli import main as darts_cli
 from mergekit_darts.errors import ReportError, SurgeryConfigError
-from mergekit_darts.integrations.post_merge import run_surgery
-from mergekit_darts.manifest import surgery_dir
+from mergekit_darts.folder.artifacts import load_surgery, read_manifest, write_surgery_folder
+from mergekit_darts.folder.manifest import surgery_dir
+from mergekit_darts.hosts.post_merge import run_surgery
+from mergekit_darts.present.report import write_report
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 HIDDEN, RANK, MAX_POSITIONS = 64, 4, 8
@@ -274,8 +274,8 @@ def test_calibrate_refuses_a_linked_surgery_folder(merged, tmp_path):
 
 @pytest.mark.slow
 def test_export_refuses_a_linked_dest(merged, tmp_path):
-    from mergekit_darts.deploy.export import export
     from mergekit_darts.errors import ExportError
+    from mergekit_darts.hosts.deploy.export import export
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mergekit_darts.calibrate.capture import Captured, capture
 from mergekit_darts.calibrate.continuation import eos_token_ids, greedy_completions
 from mergekit_darts.calibrate.train import TrainSettings, train_surgery
-from mergekit_darts.core.modules import build_module
+from mergekit_darts.correction.modules import build_module
 
 
 def load(folder: Path, offload: Path | None = None, split: bool = True) -> Any:

@@ -14,8 +14,8 @@ from tiny import random_module, write_surgery
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from mergekit_darts import apply_surgery
-from mergekit_darts.deploy.export import export
 from mergekit_darts.errors import ExportError
+from mergekit_darts.hosts.deploy.export import export
 
 VOCAB, HIDDEN = 96, 32
 SIZES = dict(
@@ -106,7 +106,7 @@ def test_the_head_fold_equals_a_float64_reference(tmp_path: Path) -> None:
     export(merged, dest, task="head", link="copy")
     from safetensors.torch import load_file
 
-    from mergekit_darts.artifacts import load_surgery
+    from mergekit_darts.folder.artifacts import load_surgery
 
     m = load_surgery(merged / "surgery", "head").weight.double()
     embed = load_file(merged / "model.safetensors")["model.embed_tokens.weight"].double()
@@ -121,7 +121,7 @@ def test_the_norm_fold_minds_a_one_plus_w_norm(tmp_path: Path) -> None:
     export(merged, dest, task="norm", link="copy")
     from safetensors.torch import load_file
 
-    from mergekit_darts.artifacts import load_surgery
+    from mergekit_darts.folder.artifacts import load_surgery
 
     scale = 1 - load_surgery(merged / "surgery", "norm").shift.double()
     w = load_file(merged / "model.safetensors")["model.norm.weight"].double()
@@ -135,7 +135,7 @@ def test_phi_folds_keep_the_head_bias_and_scale_the_norm_bias(tmp_path: Path, na
     ``W (I - M)`` with the bias as it was, the norm fold ``g s`` and ``b s``; both in float64."""
     from safetensors.torch import load_file
 
-    from mergekit_darts.artifacts import load_surgery
+    from mergekit_darts.folder.artifacts import load_surgery
 
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     for kind in ("head", "norm"):

@@ -9,7 +9,7 @@ import torch
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.plain_fit import RIDGE
 from mergekit_darts.calibrate.train import TrainSettings, train_surgery
-from mergekit_darts.core.modules import build_module
+from mergekit_darts.correction.modules import build_module
 
 N, T, H = 6, 9, 5
 

@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_eval_darts.model import DartsHFLM
 from mergekit_darts import apply_surgery
-from mergekit_darts.deploy.export import export
+from mergekit_darts.hosts.deploy.export import export
 from mergekit_darts.task_map import ROUTED
 
 pytestmark = pytest.mark.real

@@ -10,15 +10,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from mergekit_darts.analysis import plots
-from mergekit_darts.analysis.report import (
+from mergekit_darts.cli.report import command as report_command
+from mergekit_darts.hosts.post_merge import run_surgery
+from mergekit_darts.present import plots
+from mergekit_darts.present.card import report_link_markdown
+from mergekit_darts.present.report import (
     load_diagnostics,
     recompute,
     write_report,
 )
-from mergekit_darts.cli.report import command as report_command
-from mergekit_darts.integrations.card import report_link_markdown
-from mergekit_darts.integrations.post_merge import run_surgery
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +91,7 @@ def test_report_renders_every_plot_from_the_pipeline_output(surgery_folder):
 
 @pytest.mark.slow
 def test_recompute_reproduces_stored_diagnostics_and_adds_entropy(surgery_folder):
-    from mergekit_darts.artifacts import read_manifest
+    from mergekit_darts.folder.artifacts import read_manifest
 
     surgery = surgery_folder / "surgery"
     manifest = read_manifest(surgery)

@@ -20,13 +20,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_eval_darts.leakage import LeakageCheck
 from mergekit_darts import apply_surgery, run_surgery
-from mergekit_darts.artifacts import load_routed, read_manifest
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.data import sha256_text
 from mergekit_darts.calibrate.fit_router import fit_router, route_classes
 from mergekit_darts.calibrate.selection import holdout_split
-from mergekit_darts.core.correction import RoutedSurgery
-from mergekit_darts.manifest import ROUTER
+from mergekit_darts.correction.darts_correction import RoutedSurgery
+from mergekit_darts.folder.artifacts import load_routed, read_manifest
+from mergekit_darts.folder.manifest import ROUTER
 
 # Three clearly different word pools: two routed tasks and background text.
 POOLS = {
@@ -229,7 +229,7 @@ def test_same_seed_same_router_bytes_another_seed_another_split(routed, tiny_fam
 def test_summary_and_card_show_the_router(routed, capsys):
     from rich.console import Console
 
-    from mergekit_darts.integrations.card import print_summary
+    from mergekit_darts.present.summary import print_summary
 
     merged, _, _, manifest, _ = routed
     card = (merged / "README.md").read_text()

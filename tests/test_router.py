@@ -1,4 +1,4 @@
-"""Routing (core.correction): the routed correction against a float64 reference written here, the
+"""Routing (correction.darts_correction): the routed correction against a float64 reference written here, the
 router file round trip, and every refusal of a router that does not fit."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from tiny import random_module, random_router, write_routed_surgery
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery
-from mergekit_darts.artifacts import load_routed, load_surgery
-from mergekit_darts.core.correction import RoutedSurgery, Router
-from mergekit_darts.core.modules import build_module
+from mergekit_darts.correction.darts_correction import RoutedSurgery, Router
+from mergekit_darts.correction.modules import build_module
 from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.folder.artifacts import load_routed, load_surgery
 from mergekit_darts.task_map import check_task_name
 
 H, RANK, MAX_POSITIONS = 16, 4, 6

@@ -14,8 +14,8 @@ from tiny import build_tokenizer, save_model, surgery_task
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergekit_darts import apply_surgery, load_surgery, run_surgery
-from mergekit_darts.artifacts import read_manifest
-from mergekit_darts.integrations.card import print_summary
+from mergekit_darts.folder.artifacts import read_manifest
+from mergekit_darts.present.summary import print_summary
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
 

@@ -13,7 +13,7 @@ from tiny import build_tokenizer, surgery_block, tiny_config
 from transformers import GraniteConfig, GraniteForCausalLM
 
 from mergekit_darts import load_surgery, run_surgery
-from mergekit_darts.core import head
+from mergekit_darts.correction import head
 from mergekit_darts.errors import SurgeryRunError
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
@@ -180,8 +180,8 @@ def test_printed_summary_shows_every_candidate_and_the_kept_one(selected):
 
     from rich.console import Console
 
-    from mergekit_darts.integrations.card import print_summary
-    from mergekit_darts.manifest import Manifest
+    from mergekit_darts.folder.manifest import Manifest
+    from mergekit_darts.present.summary import print_summary
 
     _, _, manifest = selected
     out = StringIO()

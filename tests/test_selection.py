@@ -13,7 +13,7 @@ from mergekit_darts.calibrate.selection import (
     held_out_metrics,
     holdout_split,
 )
-from mergekit_darts.core.head import OutputHead
+from mergekit_darts.correction.head import OutputHead
 
 N, T, H, V = 11, 9, 6, 13
 

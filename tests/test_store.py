@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from mergekit_darts import run_surgery
 from mergekit_darts.calibrate.store import CaptureStore, sequences_sha256
-from mergekit_darts.identity import cache_key as model_identity
+from mergekit_darts.folder.identity import cache_key as model_identity
 
 
 @pytest.fixture

@@ -23,10 +23,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mergekit_darts import apply_surgery, load_surgery
-from mergekit_darts.artifacts import load_routed, read_manifest
-from mergekit_darts.deploy.export import export
-from mergekit_darts.deploy.modeling_darts import SURGERY_FILE
+from mergekit_darts.correction.modeling_darts import SURGERY_FILE
 from mergekit_darts.errors import SurgeryFormatError
+from mergekit_darts.folder.artifacts import load_routed, read_manifest
+from mergekit_darts.hosts.deploy.export import export
 
 HIDDEN, RANK, MAX_POSITIONS = 64, 4, 12
 SWAPPED = "sha256 differs"

@@ -26,8 +26,8 @@ from mergekit_darts.calibrate.verdict import (
 )
 from mergekit_darts.config import parse_surgery, resolve_tasks
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.integrations.card import print_summary
-from mergekit_darts.manifest import Manifest
+from mergekit_darts.folder.manifest import Manifest
+from mergekit_darts.present.summary import print_summary
 
 TOKENS = 3  # completion tokens: short, so that some held-out prompts match and some do not
 

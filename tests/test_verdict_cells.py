@@ -22,7 +22,7 @@ from demo.verdict_cells import (
     main,
     markdown,
 )
-from mergekit_darts.manifest import Manifest, TaskEntry
+from mergekit_darts.folder.manifest import Manifest, TaskEntry
 
 N = 40
 JUDGED = {"prompts": 50, "level": 0.05 / 3}

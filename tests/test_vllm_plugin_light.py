@@ -22,8 +22,8 @@ import pytest
 from reference import BAD_SECTIONS
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from mergekit_darts.deploy import modeling_darts
-from mergekit_darts.vllm_plugin.config import VllmDartsConfig, darts_section
+from mergekit_darts.correction import modeling_darts
+from mergekit_darts.hosts.vllm_plugin.config import VllmDartsConfig, darts_section
 
 ROOT = Path(__file__).parents[1]
 DARTS = {
@@ -134,23 +134,19 @@ def test_no_darts_section_at_all() -> None:
 
 
 HEAVY = {"rich", "click", "pydantic", "mergekit", "lm_eval", "lm_eval_darts"}
-SHIPPED = "mergekit_darts.deploy.modeling_darts"
-# what the shipped file imports relatively: core/correction.py under its shipped name
-CORRECTION = {
-    "mergekit_darts.core",
-    "mergekit_darts.core.correction",
-    "mergekit_darts.deploy.darts_correction",
-}
+SHIPPED = "mergekit_darts.correction.modeling_darts"
+# what the shipped file imports relatively: its neighbour, the other shipped file
+CORRECTION = {"mergekit_darts.correction", "mergekit_darts.correction.darts_correction"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "module, loaded",
     [
-        (SHIPPED, {"mergekit_darts.deploy", *CORRECTION}),
+        (SHIPPED, CORRECTION),
         (
-            "mergekit_darts.vllm_plugin.config",
-            {"mergekit_darts.deploy", SHIPPED, "mergekit_darts.vllm_plugin", *CORRECTION},
+            "mergekit_darts.hosts.vllm_plugin.config",
+            {"mergekit_darts.hosts", "mergekit_darts.hosts.vllm_plugin", SHIPPED, *CORRECTION},
         ),
     ],
 )

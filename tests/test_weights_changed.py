@@ -31,7 +31,7 @@ from tiny import (
 from mergekit_darts import load_surgery, run_surgery
 from mergekit_darts.calibrate import pipeline
 from mergekit_darts.errors import SurgeryRunError
-from mergekit_darts.identity import weights_identity
+from mergekit_darts.folder.identity import weights_identity
 
 pytestmark = pytest.mark.slow  # every test here trains, merges or starts a process
 

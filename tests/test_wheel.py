@@ -36,5 +36,5 @@ def test_the_wheel_ships_only_the_product(tmp_path: Path) -> None:
         "_darts_startup.py",
     }
     assert not [n for n in names if "demo" in Path(n).parts], "the demo ships in the wheel"
-    assert "mergekit_darts/deploy/modeling_darts.py" in names  # the product is all there
+    assert "mergekit_darts/correction/modeling_darts.py" in names  # the product is all there
     assert "lm_eval_darts/model.py" in names

@@ -25,14 +25,14 @@ from mergekit.options import MergeOptions
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from mergekit_darts.artifacts import write_surgery_folder
 from mergekit_darts.calibrate.data import load_prompts
 from mergekit_darts.config import parse_surgery, resolve_tasks
 from mergekit_darts.config.schema import DEFAULT_FOLDS
-from mergekit_darts.core.correction import Router, SurgeryModule
-from mergekit_darts.core.modules import build_module
+from mergekit_darts.correction.darts_correction import Router, SurgeryModule
+from mergekit_darts.correction.modules import build_module
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
+from mergekit_darts.folder.artifacts import write_surgery_folder
+from mergekit_darts.hosts.mergekit.hook import merge_with_surgery
 
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
 WORDS = (

@@ -40,7 +40,7 @@ from tiny import build_tokenizer, routed_merge_recipe, save_model  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from mergekit_darts import SurgeryModule  # noqa: E402
-from mergekit_darts.artifacts import load_routed, write_surgery_folder  # noqa: E402
+from mergekit_darts.folder.artifacts import load_routed, write_surgery_folder  # noqa: E402
 
 BIN = Path(sys.executable).parent
 HIDDEN, HEADS, RANK = 128, 4, 4

@@ -162,7 +162,7 @@ def test_a_surgery_file_swapped_in_from_another_export_is_refused(
     too)."""
     from safetensors.torch import save_file
 
-    from mergekit_darts.deploy.modeling_darts import SURGERY_FILE, TENSOR_PREFIX
+    from mergekit_darts.correction.modeling_darts import SURGERY_FILE, TENSOR_PREFIX
 
     dest = copy_export(exported, tmp_path / "dest")
     other = {TENSOR_PREFIX + k: v for k, v in random_module(seed=9).state_dict().items()}
@@ -177,7 +177,7 @@ def test_surgery_tensors_that_do_not_fit_the_config_are_refused() -> None:
     """The check inside load_weights, on the real class, without an engine start."""
     from types import SimpleNamespace
 
-    from mergekit_darts.vllm_plugin.model import SURGERY, vllm_model_class
+    from mergekit_darts.hosts.vllm_plugin.model import SURGERY, vllm_model_class
 
     cls = vllm_model_class("LlamaForCausalLM")
     model = SimpleNamespace()
@@ -198,7 +198,7 @@ import vllm
 from vllm import ModelRegistry
 from vllm.sequence import IntermediateTensors
 before = set(sys.modules)
-import mergekit_darts.vllm_plugin.model
+import mergekit_darts.hosts.vllm_plugin.model
 print(json.dumps(sorted(set(sys.modules) - before)))
 """
 
@@ -210,12 +210,11 @@ def test_the_model_module_loads_nothing_but_the_shipped_files() -> None:
     )
     assert set(json.loads(out.stdout.splitlines()[-1])) == {
         "mergekit_darts",
-        "mergekit_darts.core",
-        "mergekit_darts.core.correction",  # what the shipped file imports as .darts_correction
-        "mergekit_darts.deploy",
-        "mergekit_darts.deploy.darts_correction",
-        "mergekit_darts.deploy.modeling_darts",
+        "mergekit_darts.correction",
+        "mergekit_darts.correction.darts_correction",  # the shipped files
+        "mergekit_darts.correction.modeling_darts",
         "mergekit_darts.errors",  # the error classes alone: it imports nothing
-        "mergekit_darts.vllm_plugin",
-        "mergekit_darts.vllm_plugin.model",
+        "mergekit_darts.hosts",
+        "mergekit_darts.hosts.vllm_plugin",
+        "mergekit_darts.hosts.vllm_plugin.model",
     }

@@ -32,7 +32,7 @@ from tiny import write_routed_surgery
 from transformers import AutoConfig, AutoTokenizer
 
 from demo.smollm2 import smollm2_folder
-from mergekit_darts.artifacts import load_routed
+from mergekit_darts.folder.artifacts import load_routed
 
 pytestmark = pytest.mark.real
 # module weights' standard deviation: the tiny fixtures' 0.3 swamps the real hidden states, and

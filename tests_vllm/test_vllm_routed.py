@@ -21,7 +21,7 @@ from test_vllm_plugin import (
     start_engine,
 )
 
-from mergekit_darts.core.correction import RoutedSurgery, correction_module
+from mergekit_darts.correction.darts_correction import RoutedSurgery, correction_module
 
 
 def test_the_routed_export(routed_exported) -> None:
@@ -71,8 +71,8 @@ def test_routed_and_none_surgery_tensors_load_and_are_checked() -> None:
 
     from tiny import random_module, random_router
 
-    from mergekit_darts.core.correction import RoutedSurgery
-    from mergekit_darts.vllm_plugin.model import SURGERY, vllm_model_class
+    from mergekit_darts.correction.darts_correction import RoutedSurgery
+    from mergekit_darts.hosts.vllm_plugin.model import SURGERY, vllm_model_class
 
     cls = vllm_model_class("LlamaForCausalLM")
     tasks = [

@@ -1,1 +1,1 @@
-"""Looking at results: the surgery report (report, plots, document), statistics (stats, comparison), ablation sweeps (sweep/)."""
+"""Looking across runs: statistics (stats, comparison) and ablation sweeps (sweep/)."""

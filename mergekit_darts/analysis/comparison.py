@@ -15,8 +15,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mergekit_darts import fs
-from mergekit_darts.analysis.document import markdown_table
 from mergekit_darts.analysis.stats import (
     SEED,
     Correlation,
@@ -30,6 +28,8 @@ from mergekit_darts.analysis.stats import (
     select,
 )
 from mergekit_darts.errors import ResultsError
+from mergekit_darts.folder import fs
+from mergekit_darts.present.document import markdown_table
 
 
 def _f(x: float, digits: int = 3) -> str:

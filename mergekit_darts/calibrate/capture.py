@@ -19,8 +19,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mergekit_darts.config.schema import default
-from mergekit_darts.core.head import OutputHead
-from mergekit_darts.core.metrics import token_entropy
+from mergekit_darts.correction.head import OutputHead
+from mergekit_darts.correction.metrics import token_entropy
 from mergekit_darts.errors import NonFiniteCapture, UnsupportedModelError
 
 

@@ -49,8 +49,8 @@ from mergekit_darts.calibrate.verdict import (
 )
 from mergekit_darts.config import OVERRIDABLE, ResolvedTask
 from mergekit_darts.config.schema import LM_EVAL, default
-from mergekit_darts.core.correction import SurgeryModule
-from mergekit_darts.core.modules import build_module
+from mergekit_darts.correction.darts_correction import SurgeryModule
+from mergekit_darts.correction.modules import build_module
 from mergekit_darts.errors import HeadError, SurgeryRunError
 from mergekit_darts.messages import exponent_form
 

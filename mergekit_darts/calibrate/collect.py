@@ -27,10 +27,10 @@ from mergekit_darts.calibrate.store import (
     sequences_sha256,
 )
 from mergekit_darts.config import ResolvedTask
-from mergekit_darts.core.head import OutputHead
-from mergekit_darts.core.losses import LOGIT_LOSSES
+from mergekit_darts.correction.head import OutputHead
+from mergekit_darts.correction.losses import LOGIT_LOSSES
 from mergekit_darts.errors import HeadError, SurgeryRunError
-from mergekit_darts.identity import cache_key
+from mergekit_darts.folder.identity import cache_key
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``select: {metric: lm_eval}``: each candidate scored on a development split by lm-eval itself.
 
 The scoring (lm-eval's task, its documents and metric) lives outside this layer
-(:mod:`mergekit_darts.integrations.lm_eval_dev`), behind :class:`DevScorer`; this module holds
+(:mod:`mergekit_darts.hosts.lm_eval_dev`), behind :class:`DevScorer`; this module holds
 the merged model for it. The merged model is loaded once, after the captures, and each candidate's
 trained module is applied to it in memory with :class:`~mergekit_darts.apply.SurgeryHandle`
 hooks (the plain model for ``none``), so no candidate reloads a model.
@@ -22,7 +22,7 @@ from torch import nn
 from mergekit_darts.apply import SurgeryHandle
 from mergekit_darts.calibrate.runtime import LazyModel, Runtime, stage
 from mergekit_darts.calibrate.store import StoreStats
-from mergekit_darts.core.correction import SurgeryModule
+from mergekit_darts.correction.darts_correction import SurgeryModule
 
 
 @dataclass(frozen=True)

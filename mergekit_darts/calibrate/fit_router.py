@@ -35,7 +35,7 @@ import torch
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.selection import holdout_split
 from mergekit_darts.calibrate.train import in_rows
-from mergekit_darts.core.correction import NONE_CLASS, Router
+from mergekit_darts.correction.darts_correction import NONE_CLASS, Router
 from mergekit_darts.errors import SurgeryRunError
 
 FITTED_ON = "prompts not held out"  # the manifest's word on which prompts the saved gate saw

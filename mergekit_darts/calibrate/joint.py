@@ -25,8 +25,8 @@ from mergekit_darts.calibrate.selection import cross_fit_splits, holdout_split
 from mergekit_darts.calibrate.train import in_rows
 from mergekit_darts.calibrate.verdict import JOINT_TEST, cross_fitted_scores, decide_joint
 from mergekit_darts.config import JointPlan, ResolvedTask
-from mergekit_darts.core.correction import SurgeryModule
-from mergekit_darts.core.modules import build_module
+from mergekit_darts.correction.darts_correction import SurgeryModule
+from mergekit_darts.correction.modules import build_module
 from mergekit_darts.task_map import NONE
 
 

@@ -67,11 +67,11 @@ from mergekit_darts.config import (
     resolve_tasks,
     route_tasks,
 )
-from mergekit_darts.core.correction import NONE_CLASS
+from mergekit_darts.correction.darts_correction import NONE_CLASS
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.fs import inside, same_path
-from mergekit_darts.identity import weights_identity
-from mergekit_darts.manifest import Manifest, surgery_dir
+from mergekit_darts.folder.fs import inside, same_path
+from mergekit_darts.folder.identity import weights_identity
+from mergekit_darts.folder.manifest import Manifest, surgery_dir
 
 PhaseHook = Callable[[str], AbstractContextManager[Any]]
 BACKGROUND_KEY = "surgery.route.background"
@@ -104,7 +104,7 @@ class PreparedSurgery:
     prompts: dict[str, Prompts]
     background: Prompts | None = None  # route.background's prompts (no correction)
     overwrite: bool = False  # may replace a surgery/ that is there when the run writes its own
-    # task name -> its checked dev documents (select metric lm_eval; integrations.lm_eval_dev)
+    # task name -> its checked dev documents (select metric lm_eval; hosts.lm_eval_dev)
     dev: Mapping[str, DevScorer] = field(default_factory=dict)
     joint: JointPlan | None = None  # the joint correction of every task, when the block fits one
 
@@ -202,7 +202,7 @@ def calibrate(
     """Capture, train and write ``merged_path/surgery/`` for a block ``prepare_surgery`` checked.
 
     Returns the manifest as written. The card, the recorded block and the summary are the
-    post-merge step's (:mod:`mergekit_darts.integrations.post_merge`). ``on_phase(name)`` wraps
+    post-merge step's (:mod:`mergekit_darts.hosts.post_merge`). ``on_phase(name)`` wraps
     each phase ("target", "merged", "train") in a context of the caller's (timers, memory peaks).
     """
     started = time.perf_counter()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mergekit_darts.calibrate.capture import Captured
-from mergekit_darts.core.correction import HeadSurgery, NormSurgery, SurgeryModule
+from mergekit_darts.correction.darts_correction import HeadSurgery, NormSurgery, SurgeryModule
 
 RIDGE = 1e-3  # shrinkage towards the identity, relative to the states' mean square
 BATCH_ROWS = 8  # sequences per accumulation step (the [rows, T, H] float64 slice)

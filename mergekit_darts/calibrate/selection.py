@@ -21,9 +21,9 @@ import torch
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.train import positions_of
 from mergekit_darts.config import holdout_count
-from mergekit_darts.core.correction import SurgeryModule
-from mergekit_darts.core.head import logit_chunks
-from mergekit_darts.core.metrics import delta, rho_from_sums, token_kl
+from mergekit_darts.correction.darts_correction import SurgeryModule
+from mergekit_darts.correction.head import logit_chunks
+from mergekit_darts.correction.metrics import delta, rho_from_sums, token_kl
 
 METRIC_BEST = {"agreement": max, "kl": min, "rho_l1": max}  # how each selection metric ranks
 ROWS_PER_STEP = 8  # sequences per held-out evaluation step

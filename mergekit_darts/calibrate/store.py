@@ -5,14 +5,14 @@ sequences, the cache dtype and how they were computed (capture batch size, devic
 versions); never on the module, loss, rank, learning rate, steps or seed. So they are kept under
 a key of exactly those things (:func:`entry_key`): in memory for a run (a sweep's cells, the
 tasks of one block) and, with ``cache_dir``, on disk as safetensors written under a temporary
-name and renamed (:func:`mergekit_darts.fs.atomic_file`), so a killed run never leaves half an
+name and renamed (:func:`mergekit_darts.folder.fs.atomic_file`), so a killed run never leaves half an
 entry that looks whole. Each entry carries the sha256 of its tensors (:func:`tensors_sha256`) in
 its one metadata value, so bytes changed under an intact header (bit rot, a foreign writer) are
 caught too. An entry that fails any check on reading (header, checksum, shapes, a value that is
 not finite) is recomputed and overwritten, never used. The disk store is optional: a write that
 fails (a full disk) is one warning, and the run goes on with its captures in memory.
 
-A model is keyed by :func:`mergekit_darts.identity.cache_key` (the weight files its load reads,
+A model is keyed by :func:`mergekit_darts.folder.identity.cache_key` (the weight files its load reads,
 by the identity's one rule, by their metadata; the rest by content). Which model is loaded when
 is :mod:`mergekit_darts.calibrate.collect`'s job.
 """
@@ -37,10 +37,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from mergekit_darts.calibrate.capture import Captured
-from mergekit_darts.core.head import OutputHead
+from mergekit_darts.correction.head import OutputHead
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.fs import atomic_file
-from mergekit_darts.identity import cache_key
+from mergekit_darts.folder.fs import atomic_file
+from mergekit_darts.folder.identity import cache_key
 
 FORMAT = "darts-capture-store"
 STORE_VERSION = 1

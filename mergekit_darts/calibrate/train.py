@@ -22,10 +22,10 @@ from tqdm.auto import tqdm
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.plain_fit import closed_form, fit_closed_form
 from mergekit_darts.config.schema import default
-from mergekit_darts.core import losses
-from mergekit_darts.core.correction import SurgeryModule
-from mergekit_darts.core.correction import token_positions as positions_of
-from mergekit_darts.core.metrics import delta, rho_l1
+from mergekit_darts.correction import losses
+from mergekit_darts.correction.darts_correction import SurgeryModule
+from mergekit_darts.correction.darts_correction import token_positions as positions_of
+from mergekit_darts.correction.metrics import delta, rho_l1
 
 # A run whose loss over its training tokens ends above this multiple of the uncorrected merge's
 # has diverged. Measured on the tiny test models (every module and loss, 100 steps, 2 seeds): at

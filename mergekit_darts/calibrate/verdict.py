@@ -40,8 +40,8 @@ import torch
 
 from mergekit_darts.calibrate.capture import Captured
 from mergekit_darts.calibrate.train import positions_of
-from mergekit_darts.core.correction import SurgeryModule
-from mergekit_darts.core.metrics import delta, rho_from_sums
+from mergekit_darts.correction.darts_correction import SurgeryModule
+from mergekit_darts.correction.metrics import delta, rho_from_sums
 
 NAMES = {
     "completion_prefix": "reproduced completion tokens",

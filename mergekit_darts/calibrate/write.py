@@ -1,12 +1,12 @@
 """What calibration writes: ``surgery/`` with the modules, the manifest, diagnostics and the block.
 
-Everything lands in one staged folder (:func:`mergekit_darts.artifacts.write_surgery_folder`), so
+Everything lands in one staged folder (:func:`mergekit_darts.folder.artifacts.write_surgery_folder`), so
 ``surgery/`` appears whole or not at all. The manifest entry of a task records its settings (the
 schema's names, :func:`~mergekit_darts.calibrate.choose.settings_of`), the prompts by hash, the
 metrics and timings; its diagnostics file keeps the per-token bias before and after, so
 ``mergekit-darts report`` draws Figure 1 without loading a model. Recording the block in the
 merge's recipe and the model card is the post-merge step's
-(:mod:`mergekit_darts.integrations.record`, :mod:`~mergekit_darts.integrations.card`).
+(:mod:`mergekit_darts.hosts.mergekit.record`, :mod:`~mergekit_darts.present.card`).
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from typing import Any
 import torch
 import yaml
 
-from mergekit_darts.artifacts import read_manifest, write_surgery_folder
 from mergekit_darts.calibrate.choose import TaskRun, settings_of
 from mergekit_darts.calibrate.continuation import tokens_sha256
 from mergekit_darts.calibrate.data import Prompts
 from mergekit_darts.calibrate.fit_router import FittedRouter
 from mergekit_darts.calibrate.joint import FittedJoint
 from mergekit_darts.config import CalibrationConfig, SurgeryConfig, model_shape
-from mergekit_darts.core.metrics import rho_from_deltas
-from mergekit_darts.diagnostics import diagnostics_bytes
+from mergekit_darts.correction.metrics import rho_from_deltas
 from mergekit_darts.errors import SurgeryRunError
-from mergekit_darts.identity import weights_identity
-from mergekit_darts.manifest import (
+from mergekit_darts.folder.artifacts import read_manifest, write_surgery_folder
+from mergekit_darts.folder.diagnostics import diagnostics_bytes
+from mergekit_darts.folder.identity import weights_identity
+from mergekit_darts.folder.manifest import (
     BLOCK_KEY,
     SURGERY_YAML,
     JointEntry,

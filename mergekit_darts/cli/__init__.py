@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import click
 
-from mergekit_darts.integrations.click_errors import one_line_errors
+from mergekit_darts.hosts.click_errors import one_line_errors
 
 
 class Entry(NamedTuple):

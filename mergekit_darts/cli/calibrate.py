@@ -35,7 +35,7 @@ def command(
     SURGERY_YML is a merge YAML with a `surgery:` block, or the block alone.
     """
     from mergekit_darts.calibrate.store import CaptureStore
-    from mergekit_darts.integrations.post_merge import run_surgery
+    from mergekit_darts.hosts.post_merge import run_surgery
 
     run_surgery(
         out_path,

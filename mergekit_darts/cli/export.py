@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mergekit_darts.deploy import LINKS
+from mergekit_darts.hosts.deploy import LINKS
 
 
 @click.command("export")
@@ -50,7 +50,7 @@ def command(
     AutoModelForCausalLM.from_pretrained(DEST, trust_remote_code=True) where mergekit-darts is
     not installed, and serves with vLLM through the mergekit-darts plugin.
     """
-    from mergekit_darts.deploy.export import export
+    from mergekit_darts.hosts.deploy.export import export
 
     flags = {"all_tasks": all_tasks, "routed": routed, "joint": joint}
     for folder in export(out_path, dest, task, **flags, link=link):

@@ -33,7 +33,7 @@ def _merge(
     from mergekit import merge as mergekit_merge
     from mergekit.config import MergeConfiguration
 
-    from mergekit_darts.integrations.mergekit_hook import merge_with_surgery
+    from mergekit_darts.hosts.mergekit.hook import merge_with_surgery
 
     merge_options.apply_global_options()
     with open(config_file, encoding="utf-8") as file:

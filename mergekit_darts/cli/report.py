@@ -1,4 +1,4 @@
-"""``mergekit-darts report``: the options, then :func:`mergekit_darts.analysis.report.write_report`.
+"""``mergekit-darts report``: the options, then :func:`mergekit_darts.present.report.write_report`.
 
 The library is imported inside the command, so ``--help`` imports no torch or matplotlib.
 """
@@ -25,8 +25,8 @@ import click
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def command(merged: Path, output: Path | None, recompute: bool, quiet: bool) -> None:
     """Write a markdown + HTML report of MERGED/surgery with plots (paper Figure 1 and more)."""
-    from mergekit_darts.analysis.report import write_report
-    from mergekit_darts.integrations.click_errors import one_line_errors
+    from mergekit_darts.hosts.click_errors import one_line_errors
+    from mergekit_darts.present.report import write_report
 
     with one_line_errors():
         path = write_report(

@@ -24,7 +24,7 @@ import click
 def command(results_dir: Path, a: str, b: str, unit: str) -> None:
     """Paired t / Wilcoxon tests of a vs b and the rho_L1-score correlation of a sweep."""
     from mergekit_darts.analysis.comparison import write_stats
-    from mergekit_darts.integrations.click_errors import one_line_errors
+    from mergekit_darts.hosts.click_errors import one_line_errors
 
     with one_line_errors():
         markdown, path = write_stats(results_dir, a, b, unit)

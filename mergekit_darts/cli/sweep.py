@@ -26,7 +26,7 @@ def command(spec_path: Path, output: Path | None, cache_dir: Path | None) -> Non
     merge grid's merges are written to OUTPUT/merges/<yaml stem>/.
     """
     from mergekit_darts.analysis.sweep import run_spec_file
-    from mergekit_darts.integrations.click_errors import one_line_errors
+    from mergekit_darts.hosts.click_errors import one_line_errors
 
     with one_line_errors():
         written = run_spec_file(spec_path, output=output, cache_dir=cache_dir)

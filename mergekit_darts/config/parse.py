@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from mergekit_darts.config.resolve import ResolvedTask, joint_tasks, plan_joint, resolve_tasks
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig, SurgeryConfig
-from mergekit_darts.core.correction import PLAIN_KINDS
+from mergekit_darts.correction.darts_correction import PLAIN_KINDS
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.manifest import BLOCK_KEY
+from mergekit_darts.folder.manifest import BLOCK_KEY
 from mergekit_darts.messages import describe_error, first_line
 from mergekit_darts.task_map import DoubleClaim, eval_task_map
 

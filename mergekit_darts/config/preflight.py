@@ -25,12 +25,12 @@ from typing import Any
 from mergekit_darts.config.parse import MIN_PROMPT_TOKENS
 from mergekit_darts.config.resolve import ResolvedTask
 from mergekit_darts.config.schema import CALIBRATION_SUFFIXES, CalibrationConfig
-from mergekit_darts.core.losses import LOGIT_LOSSES
-from mergekit_darts.core.spec import DEFAULT_RANK, plain_kind_problem
+from mergekit_darts.correction.losses import LOGIT_LOSSES
+from mergekit_darts.correction.spec import DEFAULT_RANK, plain_kind_problem
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.fs import check_writable
-from mergekit_darts.identity import cache_key
-from mergekit_darts.manifest import surgery_dir
+from mergekit_darts.folder.fs import check_writable
+from mergekit_darts.folder.identity import cache_key
+from mergekit_darts.folder.manifest import surgery_dir
 from mergekit_darts.messages import first_line
 
 log = logging.getLogger("mergekit_darts")
@@ -431,7 +431,7 @@ _VOCABS: dict[Any, Any] = {}
 
 
 def by_files(cache: dict[Any, Any], ref: str, trust_remote_code: bool, make: Any) -> Any:
-    """``make()``, cached under ``ref``'s :func:`~mergekit_darts.identity.cache_key`.
+    """``make()``, cached under ``ref``'s :func:`~mergekit_darts.folder.identity.cache_key`.
 
     A sweep checks and tokenizes with the same models in every cell: they are read once, and
     again as soon as a file changes.

@@ -24,9 +24,9 @@ from mergekit_darts.config.schema import (
     SurgeryConfig,
     TaskConfig,
 )
-from mergekit_darts.core.correction import PLAIN_KINDS
-from mergekit_darts.core.losses import LOGIT_LOSSES
-from mergekit_darts.core.spec import plain_kind_problem
+from mergekit_darts.correction.darts_correction import PLAIN_KINDS
+from mergekit_darts.correction.losses import LOGIT_LOSSES
+from mergekit_darts.correction.spec import plain_kind_problem
 from mergekit_darts.errors import SurgeryConfigError
 
 # how to leave the default selection, for the messages about it
@@ -60,7 +60,7 @@ class ResolvedTask:
     select_default: bool = False  # no select, module or loss written: the default selection
     default_candidates: bool = False  # the select candidates are the defaults, none written
     # the merge's architecture, once known (prepare_surgery): default candidates its engines
-    # would lose (core.spec.plain_kind_problem) are left out
+    # would lose (correction.spec.plain_kind_problem) are left out
     model_type: str | None = None
 
     @property

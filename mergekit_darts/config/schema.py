@@ -22,8 +22,8 @@ from pydantic import (
     field_validator,
 )
 
-from mergekit_darts.core.losses import LOSSES
-from mergekit_darts.core.spec import (
+from mergekit_darts.correction.losses import LOSSES
+from mergekit_darts.correction.spec import (
     DEFAULT_MAX_POSITIONS,
     DEFAULT_MODULE,
     DEFAULT_RANK,
@@ -67,13 +67,13 @@ VERDICT_METRICS = (
     "completion_prefix",
 )
 # lm-eval's own score of each candidate on a development split of the task's eval_tasks
-# (integrations.lm_eval_dev), tested against none like the verdict
+# (hosts.lm_eval_dev), tested against none like the verdict
 LM_EVAL = "lm_eval"
 SelectMetric = Literal["agreement", "kl", "rho_l1", *VERDICT_METRICS, LM_EVAL]
 # the block's default candidates: the merge as it is, then Standard + L1 (Yang et al.),
 # pos_corr + L1 and DARTS (pos_corr + EWL1), then the plain kinds (they fold into the
 # checkpoint's own tensors: any engine serves them), each on the paper's loss. An architecture
-# whose engines would lose a plain kind (core.spec.plain_kind_problem) drops it from these.
+# whose engines would lose a plain kind (correction.spec.plain_kind_problem) drops it from these.
 DEFAULT_CANDIDATES = (
     {"module": "none"},
     {"module": "standard", "loss": "l1"},

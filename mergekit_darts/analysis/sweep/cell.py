@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mergekit_darts import fs
 from mergekit_darts.analysis.sweep.spec import BLOCK_KEYS, CALIBRATION_KEYS, EvalSpec, SweepSpec
 from mergekit_darts.calibrate.runtime import release
 from mergekit_darts.calibrate.store import CaptureStore
 from mergekit_darts.config import resolve_device
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.identity import weights_identity
-from mergekit_darts.manifest import SURGERY_DIR
+from mergekit_darts.folder import fs
+from mergekit_darts.folder.identity import weights_identity
+from mergekit_darts.folder.manifest import SURGERY_DIR
 
 RESULT = "result.json"
 MERGE = "merge"  # the settings key naming a cell's merge in a merge grid
@@ -225,7 +225,7 @@ def cell_surgery(
     The cell's model folder links the merged files, so it has the merged model's identity and
     its captures come from ``store`` after the first cell: training is all a later cell costs.
     """
-    from mergekit_darts.integrations.post_merge import run_surgery
+    from mergekit_darts.hosts.post_merge import run_surgery
 
     model = cell_model_dir(merged, cell_dir)
     run_surgery(model, block, overwrite=True, progress=False, write_card=False, store=store)
@@ -328,7 +328,7 @@ def scores_of(results: Mapping[str, Any], spec: EvalSpec) -> dict[str, Any]:
 
 def rho_of(surgery_path: Path, spec: EvalSpec) -> tuple[dict[str, float], dict[str, float | None]]:
     """rho_L1 per surgery task (manifest) and of the module serving each eval task."""
-    from mergekit_darts.artifacts import read_manifest
+    from mergekit_darts.folder.artifacts import read_manifest
     from mergekit_darts.task_map import manifest_task_map, parse_surgery_map, surgery_task_for
 
     manifest = read_manifest(surgery_path)

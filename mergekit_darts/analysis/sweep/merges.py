@@ -16,11 +16,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mergekit_darts import fs
 from mergekit_darts.analysis.sweep.spec import SweepSpec
 from mergekit_darts.config import read_yaml
 from mergekit_darts.errors import SurgeryConfigError
-from mergekit_darts.identity import two_merges
+from mergekit_darts.folder import fs
+from mergekit_darts.folder.identity import two_merges
 
 MERGES = "merges"  # <output>/merges/<yaml stem>/
 MERGE_MARKER = ".darts-sweep-merge"  # sha256 of the merge YAML the folder was made from

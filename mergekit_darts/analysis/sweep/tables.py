@@ -16,12 +16,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mergekit_darts import fs
 from mergekit_darts.analysis import stats
 from mergekit_darts.analysis.comparison import compare_report, correlation_table
-from mergekit_darts.analysis.document import markdown_table
 from mergekit_darts.analysis.sweep.cell import MERGE, is_baseline, write_json
 from mergekit_darts.analysis.sweep.spec import SweepSpec
+from mergekit_darts.folder import fs
+from mergekit_darts.present.document import markdown_table
 
 NO_SURGERY = "none (no surgery)"
 
@@ -179,7 +179,7 @@ def write_results(
     output: Path, records: Sequence[Mapping[str, Any]], spec: SweepSpec
 ) -> dict[str, Path]:
     """``results.{md,csv,json}``, the rho-vs-score scatter, and ``stats.md`` when asked."""
-    from mergekit_darts.analysis.plots import plot_rho_vs_score
+    from mergekit_darts.present.plots import plot_rho_vs_score
 
     tasks = list(spec.eval.tasks)
     data = {"tasks": tasks, "axes": varied_axes(records), "cells": list(records)}

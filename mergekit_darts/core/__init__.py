@@ -1,1 +1,0 @@
-"""Core math: the surgery modules, losses, metrics and the LM head's real output path (torch only)."""
