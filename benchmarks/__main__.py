@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 
-from benchmarks.fixtures import ModelSpec
+from benchmarks.fixtures import ModelSpec, from_options
 from benchmarks.settings import DEFAULT_STARTUP, SECTIONS, BenchSettings
 
 
@@ -83,34 +82,13 @@ def parse_args(argv: list[str] | None = None) -> BenchSettings:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = ModelSpec(a.hidden, a.layers, a.vocab, a.intermediate, a.heads, a.dtype)
-    return replace(
-        d,
-        model=model,
-        n=a.n,
-        max_length=a.max_length,
-        max_positions=a.max_positions,
-        rank=a.rank,
-        steps=a.steps,
-        batch_size=a.batch_size,
+    return from_options(
+        BenchSettings,
+        a,
+        model=from_options(ModelSpec, a),
         device=device,
-        repeats=a.repeats,
-        threads=a.threads,
-        merged=a.merged,
-        target=a.target,
-        inference_hidden=a.inference_hidden,
-        inference_repeats=a.inference_repeats,
-        ll_requests=a.ll_requests,
-        gen_tokens=a.gen_tokens,
         startup=startup,
-        scale_n=a.scale_n,
-        scale_t=a.scale_t,
-        scale_rank=a.scale_rank,
-        scale_hidden=a.scale_hidden,
-        scale_steps=a.scale_steps,
         sections=sections,
-        results=a.results,
-        workdir=a.workdir,
         progress=not a.no_progress,
     )
 

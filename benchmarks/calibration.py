@@ -411,7 +411,7 @@ def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) ->
     """Table 8 for each module kind, the memory comparisons, and the time baselines."""
     from transformers import AutoTokenizer
 
-    from benchmarks.fixtures import calibration_texts, surgery_block, write_jsonl
+    from benchmarks.fixtures import calibration_texts, write_jsonl
     from benchmarks.measure import run_isolated
     from mergekit_darts.calibrate.data import tokenize_prompts
 
@@ -426,18 +426,8 @@ def run(settings: Any, pair: Any, workdir: Path, tick: Callable[[str], None]) ->
     merged = shadow_model(pair.merged, workdir / "merged")
 
     def block_of(kind: str) -> dict[str, Any]:
-        return surgery_block(
-            task="bench",
-            target=pair.target,
-            calibration=str(calib),
-            module=kind,
-            n=settings.n,
-            max_length=settings.max_length,
-            rank=settings.rank,
-            max_positions=settings.max_positions,
-            steps=settings.steps,
-            batch_size=settings.batch_size,
-            device=settings.device,
+        return settings.surgery_block(
+            task="bench", target=pair.target, calibration=str(calib), module=kind
         )
 
     def timed(block: dict[str, Any]) -> dict[str, Any]:

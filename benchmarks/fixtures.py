@@ -10,14 +10,25 @@ lengths are exactly what was asked for.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
 PAD, BOS, EOS = 0, 2, 3
+Settings = TypeVar("Settings")
+
+
+def from_options(cls: type[Settings], options: argparse.Namespace, **derived: Any) -> Settings:
+    """The dataclass ``cls`` from a parsed command line, in one construction: each field from the
+    option of its name, ``derived`` for the fields computed from options; the rest keep their
+    defaults. A field and its option share their name, so nothing is relayed by hand."""
+    given = {f.name: getattr(options, f.name) for f in dataclasses.fields(cls) if f.name in options}
+    return cls(**(given | derived))
 
 
 @dataclass(frozen=True)
@@ -144,44 +155,6 @@ def write_jsonl(path: str | Path, texts: list[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path
-
-
-def surgery_block(
-    *,
-    task: str,
-    target: str,
-    calibration: str,
-    module: str,
-    n: int,
-    max_length: int,
-    rank: int,
-    max_positions: int,
-    steps: int,
-    batch_size: int,
-    device: str,
-) -> dict[str, Any]:
-    """The ``surgery:`` block of one task, as a mergekit YAML would hold it."""
-    return {
-        "module": module,
-        "loss": "ewl1",
-        "rank": rank,
-        "max_positions": max_positions,
-        "steps": steps,
-        "batch_size": batch_size,
-        "device": device,
-        "tasks": [
-            {
-                "name": task,
-                "target": target,
-                "calibration": {
-                    "path": calibration,
-                    "field": "text",
-                    "num_samples": n,
-                    "max_length": max_length,
-                },
-            }
-        ],
-    }
 
 
 def model_file_bytes(folder: str | Path) -> int:

@@ -72,6 +72,33 @@ class BenchSettings:
             "kinds": list(self.kinds),
         }
 
+    def surgery_block(
+        self, *, task: str, target: str, calibration: str, module: str
+    ) -> dict[str, Any]:
+        """The ``surgery:`` block of one task with these settings, as a mergekit YAML would hold it
+        (``calibration``: a JSONL file with a ``text`` field)."""
+        return {
+            "module": module,
+            "loss": "ewl1",
+            "rank": self.rank,
+            "max_positions": self.max_positions,
+            "steps": self.steps,
+            "batch_size": self.batch_size,
+            "device": self.device,
+            "tasks": [
+                {
+                    "name": task,
+                    "target": target,
+                    "calibration": {
+                        "path": calibration,
+                        "field": "text",
+                        "num_samples": self.n,
+                        "max_length": self.max_length,
+                    },
+                }
+            ],
+        }
+
 
 def tiny_settings(results: str, workdir: str | None = None) -> BenchSettings:
     """A minuscule run for the smoke test: every code path, no meaningful numbers."""

@@ -30,11 +30,10 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fixtures import ModelSpec, build_pair
+from benchmarks.fixtures import ModelSpec, build_pair, from_options
 from benchmarks.inference import TASK, _generated_tokens, _requests, write_random_surgery
 from benchmarks.measure import _loadavg, alternate, machine_info, paired_ratio
 from benchmarks.settings import BenchSettings
@@ -287,15 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--results", default=d.results)
     a = p.parse_args(argv)
-    spec = ModelSpec(hidden=a.hidden, layers=a.layers, vocab=a.vocab, dtype=a.dtype)
-    settings = replace(
-        d,
-        model=spec,
-        device=a.device,
-        gen_requests=a.requests,
-        gen_tokens=a.gen_tokens,
-        batch_size=a.batch_size,
-        inference_repeats=a.repeats,
+    spec = from_options(ModelSpec, a)
+    settings = from_options(
+        BenchSettings, a, model=spec, gen_requests=a.requests, inference_repeats=a.repeats
     )
     vllm_args = a.vllm_args
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report over the network

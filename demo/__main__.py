@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -50,34 +51,12 @@ from demo.pinning import reexec_if_unpinned
 @click.option(
     "--full", is_flag=True, help="Also the ablation rows and the held-out-metric study (slower)."
 )
-def main(
-    out: Path,
-    scale: str,
-    seed: int,
-    methods: tuple[str, ...],
-    steps: int,
-    surgery_seeds: int,
-    limit: int | None,
-    batch_size: int,
-    fresh: bool,
-    full: bool,
-) -> None:
+def main(**options: Any) -> None:
     """Build the family, merge with surgery, evaluate, and print a CPU-scale Table 1."""
     from demo.run import DemoSettings, run_demo
 
-    settings = DemoSettings(
-        out,
-        scale,
-        seed,
-        methods or tuple(METHODS),
-        steps,
-        limit,
-        batch_size,
-        fresh,
-        full,
-        surgery_seeds,
-    )
-    run_demo(settings)
+    # every option is named as the DemoSettings field it sets
+    run_demo(DemoSettings(**(options | {"methods": options["methods"] or tuple(METHODS)})))
 
 
 if __name__ == "__main__":
