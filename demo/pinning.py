@@ -1,4 +1,4 @@
-"""Pin what decides float rounding, so the demo prints the same table on every x86-64 AVX2 CPU.
+"""Pin what decides float rounding, so the demo prints one table on machines of one CPU vendor.
 
 The family trains for ~3900 steps and small rounding differences between kernel sets (AVX2 vs
 AVX-512 in torch, MKL's per-CPU code paths) or reduction orders (thread counts) grow into
@@ -11,7 +11,8 @@ Every matmul of the demo is MKL's SGEMM. MKL honours an instruction-set branch o
 (``AVX2``, ``AVX512``) only on Intel CPUs: elsewhere (AMD) it silently runs its automatic
 dispatch, whose code path depends on the CPU. ``COMPATIBLE`` is the one branch MKL applies on
 every x86-64 CPU, so it is the pin; :func:`apply_in_process` records the branch MKL reports.
-Not covered: CPUs without AVX2 and other families (ARM), where these kernels do not exist.
+Not covered: CPUs without AVX2 and other families (ARM), where these kernels do not exist; and an
+Intel Xeon still builds other weights than an AMD EPYC (docs/demo.md).
 """
 
 from __future__ import annotations
